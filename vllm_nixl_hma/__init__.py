@@ -1,0 +1,38 @@
+"""vllm_nixl_hma: NIXL P/D KV connector for hybrid models under vLLM's HMA.
+
+Importing the package is cheap: the connector classes (and with them vLLM,
+torch and NIXL) load on first attribute access, because the plugin entry
+point imports this package in every vLLM process, used or not.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["NixlHMAConnector", "NixlHMAConnectorWorker", "__version__"]
+
+if TYPE_CHECKING:
+    from vllm_nixl_hma.connector import NixlHMAConnector
+    from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+
+_LAZY_EXPORTS = {
+    "NixlHMAConnector": "vllm_nixl_hma.connector",
+    "NixlHMAConnectorWorker": "vllm_nixl_hma.worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY_EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,45 @@
+"""The one place that says which vLLM this release supports.
+
+vLLM's connector internals change from release to release; the overrides in
+``worker.py`` are written against one of them. Importing the connector on
+any other vLLM fails here, with installed and supported versions, instead of
+misbehaving later. No vLLM import: the version comes from package metadata.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from vllm_nixl_hma.errors import UnsupportedVersionError
+
+__all__ = ["SUPPORTED_VLLM", "TESTED_VLLM", "require_supported_vllm"]
+
+#: vLLM releases whose NixlConnector internals the overrides were written and
+#: tested against. Widen only after the test suite passed on the new release.
+SUPPORTED_VLLM = SpecifierSet(">=0.21.0,<0.21.1")
+TESTED_VLLM = ("0.21.0",)
+
+
+def require_supported_vllm(installed: str | None = None) -> str:
+    """Return the installed vLLM version, or raise UnsupportedVersionError."""
+    if installed is None:
+        try:
+            installed = metadata.version("vllm")
+        except metadata.PackageNotFoundError as e:
+            raise UnsupportedVersionError(
+                f"vllm_nixl_hma needs vLLM {SUPPORTED_VLLM}, and vLLM is not installed."
+            ) from e
+    try:
+        # Local labels (0.21.0+cu130) and post releases stay in range.
+        in_range = Version(installed) in SUPPORTED_VLLM
+    except InvalidVersion:
+        in_range = False
+    if not in_range:
+        raise UnsupportedVersionError(
+            f"vllm_nixl_hma supports vLLM {SUPPORTED_VLLM} (tested: "
+            f"{', '.join(TESTED_VLLM)}), but vLLM {installed} is installed."
+        )
+    return installed

@@ -1,0 +1,115 @@
+"""Configuration hook: fix up a VllmConfig that selects NixlHMAConnector.
+
+vLLM derives the Mamba cache mode (and, for hybrids, the attention block
+size) in ``VllmConfig.try_verify_and_update_config``, early in
+``VllmConfig.__post_init__``, and decides whether the hybrid KV cache
+manager (HMA) runs later in the same ``__post_init__``. The hook runs right
+before that method, so the engine core and every worker, which receive the
+finished config, agree with the scheduler. It acts only when the configured
+connector is ``NixlHMAConnector``; for every other config it does nothing.
+
+What it does for a Mamba hybrid (attention + Mamba/SSM layers):
+
+* turns prefix caching off, with one warning line, because kernel blocks of a
+  hybrid cannot be paired across prefill and decode with different
+  kernel-per-logical ratios after a prefix-cache hit (design.md section 3);
+* turns HMA on when the user expressed no preference and the platform
+  supports it (vLLM 0.21.0 turns HMA off whenever a KV connector is set,
+  unless --no-disable-hybrid-kv-cache-manager is given);
+* refuses an explicit --disable-hybrid-kv-cache-manager: the connector
+  moves Mamba state only under HMA.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["ConfigHookError", "apply", "install", "selects_this_connector"]
+
+_HOOK_MARK = "_vllm_nixl_hma_config_hook"
+
+
+class ConfigHookError(ValueError):
+    """A configuration the connector cannot serve; raised at startup."""
+
+
+def selects_this_connector(vllm_config: VllmConfig) -> bool:
+    """True when the KV transfer config names our connector class."""
+    from vllm_nixl_hma.plugin import CONNECTOR_NAME
+
+    kv_transfer_config = vllm_config.kv_transfer_config
+    return (
+        kv_transfer_config is not None
+        and kv_transfer_config.kv_connector == CONNECTOR_NAME
+        and kv_transfer_config.kv_connector_module_path in (None, "vllm_nixl_hma")
+    )
+
+
+def _is_mamba_hybrid(vllm_config: VllmConfig) -> bool:
+    model_config = vllm_config.model_config
+    return model_config is not None and bool(model_config.is_hybrid)
+
+
+def apply(vllm_config: VllmConfig) -> None:
+    """Edit ``vllm_config`` in place as the module docstring says."""
+    if not selects_this_connector(vllm_config) or not _is_mamba_hybrid(vllm_config):
+        return
+    from vllm.logger import init_logger
+    from vllm.platforms import current_platform
+
+    logger = init_logger(f"vllm.{__name__}")
+    architecture = vllm_config.model_config.architecture
+    cache_config = vllm_config.cache_config
+    if cache_config.enable_prefix_caching:
+        cache_config.enable_prefix_caching = False
+        logger.warning(
+            "NixlHMAConnector: prefix caching turned OFF for Mamba hybrid %s "
+            "(it was on, by default or by --enable-prefix-caching): prefill and "
+            "decode with different TP use different kernel-per-logical ratios, "
+            "whose kernel blocks cannot be paired after a prefix-cache hit. Pass "
+            "--no-enable-prefix-caching to both engines to silence this.",
+            architecture,
+        )
+
+    scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.disable_hybrid_kv_cache_manager is True:
+        raise ConfigHookError(
+            "NixlHMAConnector needs the hybrid KV cache manager for Mamba hybrid "
+            f"{architecture}, but --disable-hybrid-kv-cache-manager was given: "
+            "remove that flag."
+        )
+    if (
+        scheduler_config.disable_hybrid_kv_cache_manager is None
+        and current_platform.support_hybrid_kv_cache()
+    ):
+        scheduler_config.disable_hybrid_kv_cache_manager = False
+        logger.info(
+            "NixlHMAConnector: hybrid KV cache manager enabled for %s "
+            "(same as --no-disable-hybrid-kv-cache-manager).",
+            architecture,
+        )
+
+
+def install() -> None:
+    """Run ``apply`` before every ``VllmConfig.try_verify_and_update_config``.
+
+    Idempotent: a second call finds the hook in place and returns. The
+    wrapper changes nothing for configs that do not select this connector.
+    """
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.try_verify_and_update_config
+    if getattr(original, _HOOK_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def try_verify_and_update_config(self: VllmConfig, *args: Any, **kwargs: Any) -> Any:
+        apply(self)
+        return original(self, *args, **kwargs)
+
+    setattr(try_verify_and_update_config, _HOOK_MARK, True)
+    VllmConfig.try_verify_and_update_config = try_verify_and_update_config

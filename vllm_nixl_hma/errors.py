@@ -1,0 +1,44 @@
+"""Typed errors raised by vllm_nixl_hma.
+
+No vLLM import: the pure modules (``blocks``) raise these too. Every error
+names the field that differs, the local value and the remote value, and says
+what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BlockAlignmentError", "IncompatibleRemoteError", "UnsupportedVersionError"]
+
+
+class BlockAlignmentError(ValueError):
+    """Local and remote kernel-block lists of one request cannot be paired.
+
+    Raised by the pure block arithmetic when the two sides' lists disagree in
+    a way no prompt length can explain; it means the peers' metadata are
+    inconsistent, so nothing must be read for that request.
+    """
+
+    def __init__(self, field: str, local: object, remote: object, reason: str):
+        self.field = field
+        self.local = local
+        self.remote = remote
+        self.reason = reason
+        super().__init__(f"{field}: local={local!r}, remote={remote!r}: {reason}")
+
+
+class IncompatibleRemoteError(RuntimeError):
+    """A prefill peer whose configuration this decode worker must refuse.
+
+    Raised at handshake, before the remote is used for any transfer.
+    """
+
+    def __init__(self, field: str, local: object, remote: object, remedy: str):
+        self.field = field
+        self.local = local
+        self.remote = remote
+        self.remedy = remedy
+        super().__init__(f"{field} differs (local={local!r}, remote={remote!r}): {remedy}")
+
+
+class UnsupportedVersionError(ImportError):
+    """The installed vLLM is outside the range this release was tested with."""

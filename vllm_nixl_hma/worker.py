@@ -1,0 +1,222 @@
+"""``NixlHMAConnectorWorker``: vLLM's NIXL worker with the hybrid block mapping fixed.
+
+Ledger of departures from vLLM 0.21.0 ``NixlConnectorWorker``
+(vllm/distributed/kv_transfer/kv_connector/v1/nixl/worker.py). Every other
+method, and every byte of data movement, is upstream's.
+
+``_logical_to_remote_kernel_block_ids(block_ids, remote_physical_per_logical)``
+    Why: upstream multiplies remote logical ids by the remote ratio but adds
+    the LOCAL ratio's offsets; with heterogeneous TP on a Mamba hybrid the
+    ratios differ and decode silently reads the wrong kernel blocks
+    (design.md section 3). How: ``blocks.logical_to_kernel_ids_by_group`` with
+    the remote ratio as multiplier and run length. Related: vLLM 0.22.0's fix.
+    Remove when: the supported vLLM range starts at a release with the fix.
+
+``_apply_prefix_caching(local_block_ids, remote_block_ids, remote_physical_per_logical)``
+    Why: upstream 0.21.0 has no such method; its ``_read_blocks`` pairs the
+    local list with the remote tail and asserts local <= remote, which pairs
+    the wrong blocks (or asserts) when the two sides round the prompt up to
+    logical blocks of different sizes. How: ``blocks.align_kernel_ids_by_group``.
+    Remove when: as above (0.22.0 extracted a method of this name).
+
+``_read_blocks(read_spec, dst_engine_id, request_id, remote_request_id, ...)``
+    Why: to align the lists before upstream builds descriptors. How: align,
+    then call upstream's ``_read_blocks`` with lists of equal length, so its
+    own trimming is a no-op; a request whose lists cannot be aligned is
+    failed before any byte is read. Remove when: as above.
+
+``_validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)``
+    Why: upstream accepts a Mamba hybrid peer with another ratio while prefix
+    caching is on, and the mismatch surfaces mid-request. How:
+    ``blocks.check_alignable`` first, then upstream's checks. Remove when:
+    as above.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm_nixl_hma._compat import require_supported_vllm
+
+require_supported_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
+    NixlAgentMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # noqa: E402
+    ReadSpec,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import (  # noqa: E402
+    get_representative_spec_type,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (  # noqa: E402
+    NixlConnectorWorker,
+)
+from vllm.logger import init_logger  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from vllm_nixl_hma import blocks  # noqa: E402
+from vllm_nixl_hma.errors import BlockAlignmentError  # noqa: E402
+
+__all__ = ["NixlHMAConnectorWorker", "group_kinds_of"]
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+def group_kinds_of(kv_cache_config: KVCacheConfig) -> tuple[blocks.GroupKind, ...]:
+    """The ``blocks.GroupKind`` of every KV cache group, in group order."""
+    kinds = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec_type = get_representative_spec_type(group.kv_cache_spec)
+        if issubclass(spec_type, MambaSpec):
+            kinds.append(blocks.GroupKind.MAMBA)
+        elif issubclass(spec_type, SlidingWindowSpec):
+            kinds.append(blocks.GroupKind.SLIDING_WINDOW)
+        else:
+            kinds.append(blocks.GroupKind.FULL_ATTENTION)
+    return tuple(kinds)
+
+
+class NixlHMAConnectorWorker(NixlConnectorWorker):
+    """vLLM's ``NixlConnectorWorker`` with the departures listed in this module."""
+
+    @functools.cached_property
+    def _group_kinds(self) -> tuple[blocks.GroupKind, ...]:
+        return group_kinds_of(self.kv_cache_config)
+
+    def _logical_to_remote_kernel_block_ids(
+        self, block_ids: BlockIds, remote_physical_per_logical: int
+    ) -> BlockIds:
+        """vLLM 0.21.0 ``NixlConnectorWorker._logical_to_remote_kernel_block_ids``.
+
+        Why: upstream expands remote logical block ``L`` into
+        ``L*remote_ratio .. L*remote_ratio + local_ratio - 1``, i.e. with the
+        local ratio as run length. What changes: the remote ratio (from the
+        remote's handshake metadata) is used for both; Mamba groups still pass
+        through unchanged. Remove when: vLLM >= 0.22.0 is the minimum.
+        """
+        remote_logical_ids_by_group = block_ids
+        remote_kernel_ids_by_group = blocks.logical_to_kernel_ids_by_group(
+            remote_logical_ids_by_group, self._group_kinds, remote_physical_per_logical
+        )
+        return [ids.tolist() for ids in remote_kernel_ids_by_group]
+
+    def _apply_prefix_caching(
+        self,
+        local_block_ids: BlockIds,
+        remote_block_ids: BlockIds,
+        remote_physical_per_logical: int,
+    ) -> tuple[BlockIds, BlockIds]:
+        """Pair local and remote kernel block ids per group (no upstream
+        counterpart in 0.21.0; named after vLLM 0.22.0's method).
+
+        Both arguments hold kernel ids. Non-Mamba models keep 0.21.0's rule
+        (the local list pairs with the remote tail after a local prefix-cache
+        hit); Mamba hybrids with unequal ratios pair leading blocks and drop
+        the trailing rounding surplus. Raises ``BlockAlignmentError``.
+        """
+        local_kernel_ids_by_group, remote_kernel_ids_by_group = blocks.align_kernel_ids_by_group(
+            local_block_ids,
+            remote_block_ids,
+            self._group_kinds,
+            local_physical_per_logical=self._physical_blocks_per_logical_kv_block,
+            remote_physical_per_logical=remote_physical_per_logical,
+            is_mamba_hybrid=self._has_mamba,
+        )
+        return (
+            [ids.tolist() for ids in local_kernel_ids_by_group],
+            [ids.tolist() for ids in remote_kernel_ids_by_group],
+        )
+
+    def _read_blocks(
+        self,
+        read_spec: ReadSpec,
+        dst_engine_id: str,
+        request_id: str,
+        remote_request_id: str,
+        local_xfer_side_handle: int,
+        remote_xfer_side_handle: int,
+    ):
+        """vLLM 0.21.0 ``NixlConnectorWorker._read_blocks``.
+
+        Why: upstream trims each remote group to the local count from the
+        tail and asserts local <= remote, which is wrong when prefill and
+        decode round the prompt to logical blocks of different sizes. What
+        changes: the lists are aligned by ``_apply_prefix_caching`` first and
+        upstream's ``_read_blocks`` gets lists of equal length (its trimming
+        then keeps everything). Lists that cannot be aligned fail the request
+        before anything is read, as upstream does with a failed transfer
+        setup. Remove when: vLLM >= 0.22.0 is the minimum.
+        """
+        if len(read_spec.local_block_ids) > 0:
+            if self.transfer_topo is None:
+                raise RuntimeError("_read_blocks called before register_kv_caches")
+            remote_info = self.transfer_topo.get_engine_info(dst_engine_id)
+            try:
+                local_kernel_ids_by_group, remote_kernel_ids_by_group = self._apply_prefix_caching(
+                    read_spec.local_block_ids,
+                    read_spec.remote_block_ids,
+                    remote_info.remote_physical_blocks_per_logical,
+                )
+            except BlockAlignmentError as e:
+                self._fail_unalignable_request(request_id, dst_engine_id, read_spec, e)
+                return
+            read_spec = ReadSpec(
+                remote_rank=read_spec.remote_rank,
+                local_block_ids=local_kernel_ids_by_group,
+                remote_block_ids=remote_kernel_ids_by_group,
+            )
+        super()._read_blocks(
+            read_spec=read_spec,
+            dst_engine_id=dst_engine_id,
+            request_id=request_id,
+            remote_request_id=remote_request_id,
+            local_xfer_side_handle=local_xfer_side_handle,
+            remote_xfer_side_handle=remote_xfer_side_handle,
+        )
+
+    def _fail_unalignable_request(
+        self,
+        request_id: str,
+        dst_engine_id: str,
+        read_spec: ReadSpec,
+        error: BlockAlignmentError,
+    ) -> None:
+        """Mark a request failed without reading, as upstream marks a request
+        whose transfer setup failed."""
+        self._log_failure(
+            failure_type="block_alignment_failed",
+            req_id=request_id,
+            msg="Local and remote block lists cannot be paired; nothing was read",
+            error=error,
+            dst_engine_id=dst_engine_id,
+            remote_rank=read_spec.remote_rank,
+        )
+        self.xfer_stats.record_failed_transfer()
+        self._failed_recv_reqs.add(request_id)
+
+    def _validate_remote_agent_handshake(
+        self, nixl_agent_meta: NixlAgentMetadata, remote_tp_size: int
+    ):
+        """vLLM 0.21.0 ``NixlConnectorWorker._validate_remote_agent_handshake``.
+
+        Why: upstream accepts a Mamba hybrid peer whose kernel-per-logical
+        ratio differs from ours while prefix caching is on; such blocks
+        cannot be paired and the request would fail or corrupt mid-flight.
+        What changes: ``blocks.check_alignable`` raises
+        ``IncompatibleRemoteError`` (a RuntimeError naming both ratios and
+        --no-enable-prefix-caching) before upstream's own checks run.
+        Remove when: vLLM >= 0.22.0 is the minimum.
+        """
+        blocks.check_alignable(
+            self._group_kinds,
+            local_physical_per_logical=self._physical_blocks_per_logical_kv_block,
+            remote_physical_per_logical=nixl_agent_meta.physical_blocks_per_logical_kv_block,
+            local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
+        )
+        super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)

@@ -142,7 +142,6 @@ def align_kernel_ids_by_group(
     group_kinds: Sequence[GroupKind],
     local_physical_per_logical: int,
     remote_physical_per_logical: int,
-    is_mamba_hybrid: bool,
 ) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]]]:
     """Pair local and remote kernel blocks group by group.
 
@@ -151,14 +150,15 @@ def align_kernel_ids_by_group(
 
     Rules (design.md section 3):
 
-    * Mamba groups: one state slot per request on each side; counts must
-      be equal.
-    * Attention groups of a Mamba hybrid whose ratios differ: pair leading
-      blocks, drop the trailing rounding surplus; the counts may differ by
-      less than ``max(local, remote ratio)``. ``check_alignable`` refuses
-      prefix caching and sliding-window groups in that setup at handshake.
-    * Every other attention group (equal ratios, or a model without Mamba):
-      vLLM 0.21.0's rule, the local list pairs with the remote tail.
+    * Mamba groups: whole states, never expanded; counts must be equal.
+    * Attention groups, ratios differ (a Mamba hybrid with heterogeneous TP,
+      or engines started with different --block-size): pair leading blocks,
+      drop the trailing rounding surplus; the counts may differ by less than
+      ``max(local, remote ratio)``. ``check_alignable`` refuses prefix
+      caching and sliding-window groups in that setup at handshake.
+    * Attention groups, equal ratios: vLLM 0.21.0's rule, the local list
+      pairs with the remote tail (after a local prefix-cache hit, or
+      sliding-window clipping, which both sides do alike).
 
     An empty local list of groups (full local prefix-cache hit) is returned
     as is, with an empty remote list.
@@ -175,7 +175,7 @@ def align_kernel_ids_by_group(
             len(remote_kernel_ids_by_group),
             f"both sides must send one block list per KV cache group ({group_count})",
         )
-    pair_leading = is_mamba_hybrid and (local_physical_per_logical != remote_physical_per_logical)
+    pair_leading = local_physical_per_logical != remote_physical_per_logical
     max_physical_per_logical = max(local_physical_per_logical, remote_physical_per_logical)
 
     local_aligned: list[npt.NDArray[np.int64]] = []
@@ -217,9 +217,11 @@ def check_alignable(
     """Refuse, at handshake, a pairing that ``align_kernel_ids_by_group``
     could not do from block counts alone.
 
-    Only Mamba hybrids with unequal ratios are constrained: a local
-    prefix-cache hit or a sliding-window clip removes leading blocks, which
-    the leading-block rule would then misalign.
+    Only unequal ratios are constrained: a local prefix-cache hit or a
+    sliding-window clip removes leading blocks, which the leading-block rule
+    would then misalign. The config hook turns prefix caching off for Mamba
+    hybrids, so this fires there only if the hook was bypassed; a dense model
+    served with a different --block-size on each side meets it too.
     """
     for name, value in (
         ("local_physical_per_logical", local_physical_per_logical),
@@ -232,26 +234,23 @@ def check_alignable(
                 remote_physical_per_logical,
                 "a kernel-per-logical ratio is a positive integer",
             )
-    is_mamba_hybrid = GroupKind.MAMBA in group_kinds and any(
-        kind.is_attention for kind in group_kinds
-    )
-    if not is_mamba_hybrid or local_physical_per_logical == remote_physical_per_logical:
+    if local_physical_per_logical == remote_physical_per_logical:
         return
     if local_prefix_caching:
         raise IncompatibleRemoteError(
             "physical_blocks_per_logical_kv_block",
             local_physical_per_logical,
             remote_physical_per_logical,
-            "prefix caching is on for this Mamba hybrid, and with unequal "
-            "kernel-per-logical ratios kernel blocks cannot be aligned after a "
-            "prefix-cache hit; restart both engines with --no-enable-prefix-caching",
+            "prefix caching is on, and with unequal kernel-per-logical ratios "
+            "kernel blocks cannot be aligned after a prefix-cache hit; restart "
+            "both engines with --no-enable-prefix-caching",
         )
     if GroupKind.SLIDING_WINDOW in group_kinds:
         raise IncompatibleRemoteError(
             "physical_blocks_per_logical_kv_block",
             local_physical_per_logical,
             remote_physical_per_logical,
-            "sliding-window groups of a Mamba hybrid are clipped to whole logical "
-            "blocks of different sizes on the two sides and cannot be aligned; "
-            "run prefill and decode with the same tensor-parallel size",
+            "sliding-window groups are clipped to whole logical blocks of "
+            "different sizes on the two sides and cannot be aligned; run prefill "
+            "and decode with the same tensor-parallel size and --block-size",
         )

@@ -115,10 +115,11 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         """Pair local and remote kernel block ids per group (no upstream
         counterpart in 0.21.0; named after vLLM 0.22.0's method).
 
-        Both arguments hold kernel ids. Non-Mamba models keep 0.21.0's rule
+        Both arguments hold kernel ids. With equal ratios 0.21.0's rule stays
         (the local list pairs with the remote tail after a local prefix-cache
-        hit); Mamba hybrids with unequal ratios pair leading blocks and drop
-        the trailing rounding surplus. Raises ``BlockAlignmentError``.
+        hit); with unequal ratios (Mamba hybrids under heterogeneous TP)
+        leading blocks pair and the trailing rounding surplus is dropped.
+        Raises ``BlockAlignmentError``.
         """
         local_kernel_ids_by_group, remote_kernel_ids_by_group = blocks.align_kernel_ids_by_group(
             local_block_ids,
@@ -126,7 +127,6 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             self._group_kinds,
             local_physical_per_logical=self._physical_blocks_per_logical_kv_block,
             remote_physical_per_logical=remote_physical_per_logical,
-            is_mamba_hybrid=self._has_mamba,
         )
         return (
             [ids.tolist() for ids in local_kernel_ids_by_group],
@@ -205,9 +205,10 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
     ):
         """vLLM 0.21.0 ``NixlConnectorWorker._validate_remote_agent_handshake``.
 
-        Why: upstream accepts a Mamba hybrid peer whose kernel-per-logical
-        ratio differs from ours while prefix caching is on; such blocks
-        cannot be paired and the request would fail or corrupt mid-flight.
+        Why: upstream accepts a peer whose kernel-per-logical ratio differs
+        from ours while prefix caching is on (or with sliding-window groups);
+        such blocks cannot be paired and the request would fail or corrupt
+        mid-flight.
         What changes: ``blocks.check_alignable`` raises
         ``IncompatibleRemoteError`` (a RuntimeError naming both ratios and
         --no-enable-prefix-caching) before upstream's own checks run.

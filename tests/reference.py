@@ -63,14 +63,17 @@ def build_side(
     """Allocate one request on one side and record what every block holds."""
     side = Side(physical_per_logical, kernel_block_tokens)
     logical_count = math.ceil(num_tokens / side.logical_block_tokens)
+    # One block pool per side, as in HMA: no id is in two groups at once.
+    needed = sum(1 if kind == MAMBA else logical_count for kind in group_kinds)
+    free_ids = iter(rng.sample(range(max(pool_logical_blocks, needed)), needed))
     for kind in group_kinds:
         if kind == MAMBA:
-            state_id = rng.randrange(pool_logical_blocks)
+            state_id = next(free_ids)
             side.logical_ids_by_group.append([state_id])
             side.kernel_index_by_group.append({})
             side.state_id_by_group.append(state_id)
             continue
-        physical = rng.sample(range(pool_logical_blocks), logical_count)
+        physical = [next(free_ids) for _ in range(logical_count)]
         kept = list(range(prefix_hit_logical_blocks, logical_count))
         if kind == SWA:
             keep = sliding_window_logical_blocks(window_tokens, side.logical_block_tokens)

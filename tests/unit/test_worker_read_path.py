@@ -1,0 +1,349 @@
+"""The decode read path of the worker, from logical ids to NIXL descriptors.
+
+Each test runs vLLM 0.21.0's real ``_logical_to_kernel_block_ids``,
+``_read_blocks_for_req``, ``_compute_desc_ids`` and (through ours) the real
+``_read_blocks`` on a worker built around real vLLM KV cache specs, transfer
+topology and TP mapping. Only the NIXL agent is a fake that records the
+descriptor ids of ``make_prepped_xfer``: these tests are about which blocks
+are asked for; tests/integration moves real bytes.
+
+The same cases run against stock ``NixlConnectorWorker``: design.md's rows
+must fail there, which shows the checks can catch the bug.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import (
+    EngineTransferInfo,
+    TransferTopology,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    RemoteMeta,
+    ReqMeta,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
+from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from tests.reference import FULL, MAMBA, SWA, build_side, pairing_errors
+from vllm_nixl_hma import NixlHMAConnectorWorker
+from vllm_nixl_hma.errors import IncompatibleRemoteError
+
+KERNEL_BLOCK_TOKENS = 16
+LOGICAL_BLOCKS = 64
+WINDOW_TOKENS = 40
+LOCAL_ENGINE = "decode-engine"
+REMOTE_ENGINE = "prefill-engine"
+LOCAL_XFER_HANDLE = 101
+REMOTE_XFER_HANDLE = 202
+
+
+def kv_cache_config(group_kinds: list[str], physical_per_logical: int) -> KVCacheConfig:
+    logical_block_tokens = physical_per_logical * KERNEL_BLOCK_TOKENS
+    groups = []
+    for index, kind in enumerate(group_kinds):
+        if kind == MAMBA:
+            spec = MambaSpec(
+                shapes=((8, 4), (2, 8, 4)),
+                dtypes=(torch.bfloat16, torch.bfloat16),
+                block_size=4096,
+            )
+        elif kind == SWA:
+            spec = SlidingWindowSpec(
+                block_size=logical_block_tokens,
+                num_kv_heads=1,
+                head_size=8,
+                dtype=torch.bfloat16,
+                sliding_window=WINDOW_TOKENS,
+            )
+        else:
+            spec = FullAttentionSpec(
+                block_size=logical_block_tokens, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
+            )
+        groups.append(KVCacheGroupSpec(layer_names=[f"layers.{index}"], kv_cache_spec=spec))
+    tensors = [KVCacheTensor(size=1 << 20, shared_by=[g.layer_names[0] for g in groups])]
+    return KVCacheConfig(
+        num_blocks=LOGICAL_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups
+    )
+
+
+def read_path_worker(worker_cls, group_kinds, local_ratio, remote_ratio, nixl_wrapper):
+    """A decode worker (TP 1) after a handshake with a prefill engine (TP 1).
+
+    Sets the state that register_kv_caches and add_remote_agent would set:
+    the read path methods under test are upstream's and ours, unmodified.
+    """
+    worker = object.__new__(worker_cls)
+    config = kv_cache_config(group_kinds, local_ratio)
+    has_mamba = MAMBA in group_kinds
+    worker.kv_cache_config = config
+    worker._group_spec_types = tuple(type(g.kv_cache_spec) for g in config.kv_cache_groups)
+    worker._physical_blocks_per_logical_kv_block = local_ratio
+    worker.block_size = KERNEL_BLOCK_TOKENS
+    worker._has_mamba = has_mamba
+    worker._is_hma_required = len(group_kinds) > 1
+    worker.use_mla = False
+    worker.engine_id = LOCAL_ENGINE
+    worker.tp_rank = 0
+    worker.world_size = 1
+    worker.num_regions = 2
+    worker.block_len_per_layer = [1024, 1024]
+    worker.transfer_topo = TransferTopology(
+        tp_rank=0,
+        tp_size=1,
+        block_size=KERNEL_BLOCK_TOKENS,
+        engine_id=LOCAL_ENGINE,
+        is_mla=False,
+        is_mamba=has_mamba,
+        total_num_kv_heads=1,
+        attn_backends=[FlashInferBackend],
+    )
+    worker.transfer_topo.register_remote_engine(
+        REMOTE_ENGINE,
+        EngineTransferInfo(
+            remote_tp_size=1,
+            remote_block_len=1024,
+            remote_block_size=KERNEL_BLOCK_TOKENS,
+            remote_physical_blocks_per_logical=remote_ratio,
+        ),
+    )
+    worker.tp_mappings = {
+        REMOTE_ENGINE: compute_tp_mapping(worker.transfer_topo, 1, worker._group_spec_types)
+    }
+    worker.dst_num_blocks = {
+        LOCAL_ENGINE: LOGICAL_BLOCKS * local_ratio,
+        REMOTE_ENGINE: LOGICAL_BLOCKS * remote_ratio,
+    }
+    worker.src_xfer_handles_by_block_size = {KERNEL_BLOCK_TOKENS: LOCAL_XFER_HANDLE}
+    worker.src_xfer_handles_by_tp_ratio = {}
+    worker.dst_xfer_side_handles = {REMOTE_ENGINE: {0: REMOTE_XFER_HANDLE}}
+    worker._remote_agents = {REMOTE_ENGINE: {0: "prefill-agent-0"}}
+    worker.nixl_wrapper = nixl_wrapper
+    worker._recving_transfers = defaultdict(list)
+    worker._recving_metadata = {}
+    worker._invalid_block_ids = set()
+    worker._failed_recv_reqs = set()
+    worker.xfer_stats = NixlKVConnectorStats()
+    return worker
+
+
+def decode_desc_ids(desc_ids, num_kernel_blocks, physical_per_logical, has_mamba):
+    """Descriptor ids -> (region kind, region, block id), as _compute_desc_ids lays them out."""
+    num_fa_descs = 2 * num_kernel_blocks
+    logical_blocks = num_kernel_blocks // physical_per_logical
+    decoded = []
+    for desc_id in np.asarray(desc_ids).tolist():
+        if desc_id < num_fa_descs:
+            decoded.append(("fa", desc_id // num_kernel_blocks, desc_id % num_kernel_blocks))
+        else:
+            assert has_mamba
+            ssm = desc_id - num_fa_descs
+            decoded.append(("ssm", ssm // logical_blocks, ssm % logical_blocks))
+    return decoded
+
+
+def run_read_path(worker_cls, group_kinds, local_ratio, remote_ratio, num_tokens, seed, mocker):
+    """Run one request through the read path; return the oracle's complaints."""
+    rng = random.Random(seed)
+    local = build_side(
+        num_tokens,
+        group_kinds,
+        local_ratio,
+        KERNEL_BLOCK_TOKENS,
+        rng,
+        window_tokens=WINDOW_TOKENS,
+        pool_logical_blocks=LOGICAL_BLOCKS,
+    )
+    remote = build_side(
+        num_tokens,
+        group_kinds,
+        remote_ratio,
+        KERNEL_BLOCK_TOKENS,
+        rng,
+        window_tokens=WINDOW_TOKENS,
+        pool_logical_blocks=LOGICAL_BLOCKS,
+    )
+    nixl_wrapper = mocker.Mock()
+    nixl_wrapper.make_prepped_xfer.return_value = 7
+    worker = read_path_worker(worker_cls, group_kinds, local_ratio, remote_ratio, nixl_wrapper)
+    meta = ReqMeta(
+        local_block_ids=[list(g) for g in local.logical_ids_by_group],
+        local_physical_block_ids=[],
+        tp_size=1,
+        remote=RemoteMeta(
+            block_ids=[list(g) for g in remote.logical_ids_by_group],
+            host="127.0.0.1",
+            port=5600,
+            engine_id=REMOTE_ENGINE,
+            request_id="prefill-req-1",
+        ),
+    )
+    # What start_load_kv does before _read_blocks_for_req.
+    meta.local_physical_block_ids = worker._logical_to_kernel_block_ids(meta.local_block_ids)
+    worker._read_blocks_for_req("req-1", meta)
+
+    assert nixl_wrapper.make_prepped_xfer.call_count == 1, worker._failed_recv_reqs
+    args = nixl_wrapper.make_prepped_xfer.call_args.args
+    assert args[0] == "READ" and args[1] == LOCAL_XFER_HANDLE and args[3] == REMOTE_XFER_HANDLE
+    local_descs = decode_desc_ids(
+        args[2], LOGICAL_BLOCKS * local_ratio, local_ratio, MAMBA in group_kinds
+    )
+    remote_descs = decode_desc_ids(
+        args[4], LOGICAL_BLOCKS * remote_ratio, remote_ratio, MAMBA in group_kinds
+    )
+    assert len(local_descs) == len(remote_descs)
+
+    # Attribute each region-0 pair to its group by the local id, then judge.
+    pairs_by_group = [([], []) for _ in group_kinds]
+    for (l_kind, l_region, l_id), (r_kind, r_region, r_id) in zip(
+        local_descs, remote_descs, strict=True
+    ):
+        assert (l_kind, l_region) == (r_kind, r_region)
+        if l_region != 0:
+            continue
+        for group, kind in enumerate(group_kinds):
+            owns = (
+                l_id == local.state_id_by_group[group]
+                if kind == MAMBA
+                else l_id in local.kernel_index_by_group[group]
+            )
+            if owns and (l_kind == "ssm") == (kind == MAMBA):
+                pairs_by_group[group][0].append(l_id)
+                pairs_by_group[group][1].append(r_id)
+                break
+        else:
+            raise AssertionError(f"local {l_kind} block {l_id} belongs to no group")
+    return pairing_errors(
+        local,
+        remote,
+        num_tokens,
+        [p[0] for p in pairs_by_group],
+        [p[1] for p in pairs_by_group],
+    )
+
+
+# (group kinds, local ratio, remote ratio, prompt tokens)
+DESIGN_ROWS = [
+    # design.md row 1: local r=10, remote r=6, remote logical [x, y] (2 blocks)
+    pytest.param([FULL, MAMBA], 10, 6, 100 + 6 * KERNEL_BLOCK_TOKENS, id="row1-local10-remote6"),
+    # design.md row 2: local r=6, remote r=10, remote logical [x] (1 block)
+    pytest.param([FULL, MAMBA], 6, 10, 6 * KERNEL_BLOCK_TOKENS + 5, id="row2-local6-remote10"),
+    # Nemotron-3-Nano-like: TP1 r=66 prefill, TP4 r=34 decode, prompt ends mid block
+    pytest.param([MAMBA, FULL], 34, 66, 3 * 66 * KERNEL_BLOCK_TOKENS - 7, id="nemotron-34-66"),
+    pytest.param([FULL, MAMBA, FULL], 66, 34, 40 * KERNEL_BLOCK_TOKENS, id="nemotron-66-34"),
+]
+
+HOMOGENEOUS_ROWS = [
+    pytest.param([FULL], 1, 1, 77, id="dense-r1"),
+    pytest.param([FULL], 4, 4, 200, id="dense-r4"),
+    pytest.param([FULL, SWA], 2, 2, 300, id="swa-r2"),
+    pytest.param([FULL, MAMBA], 6, 6, 6 * KERNEL_BLOCK_TOKENS * 3, id="hybrid-equal-boundary"),
+    pytest.param([FULL, MAMBA], 10, 10, 1000, id="hybrid-equal-mid-block"),
+]
+
+
+@pytest.mark.parametrize(("kinds", "local_ratio", "remote_ratio", "tokens"), DESIGN_ROWS)
+def test_ours_reads_the_right_kernel_blocks_with_unequal_ratios(
+    kinds, local_ratio, remote_ratio, tokens, mocker
+):
+    for seed in range(5):
+        assert (
+            run_read_path(
+                NixlHMAConnectorWorker, kinds, local_ratio, remote_ratio, tokens, seed, mocker
+            )
+            == []
+        )
+
+
+@pytest.mark.parametrize(("kinds", "local_ratio", "remote_ratio", "tokens"), HOMOGENEOUS_ROWS)
+def test_ours_and_stock_agree_with_equal_ratios(kinds, local_ratio, remote_ratio, tokens, mocker):
+    """Homogeneous setups, where 0.21.0 is right: ours keeps its behaviour."""
+    for worker_cls in (NixlHMAConnectorWorker, NixlConnectorWorker):
+        assert run_read_path(worker_cls, kinds, local_ratio, remote_ratio, tokens, 3, mocker) == []
+
+
+@pytest.mark.parametrize(("kinds", "local_ratio", "remote_ratio", "tokens"), DESIGN_ROWS)
+def test_stock_0_21_0_fails_the_same_rows(kinds, local_ratio, remote_ratio, tokens, mocker):
+    """The checks above can fail: stock 0.21.0 reads wrong blocks or asserts."""
+    try:
+        errors = run_read_path(
+            NixlConnectorWorker, kinds, local_ratio, remote_ratio, tokens, 0, mocker
+        )
+    except AssertionError as e:  # 0.21.0's own assert in _read_blocks, or ours above
+        errors = [f"assertion: {e}"]
+    assert errors != []
+
+
+def test_unalignable_lists_fail_the_request_before_any_read(mocker):
+    nixl_wrapper = mocker.Mock()
+    worker = read_path_worker(NixlHMAConnectorWorker, [FULL, MAMBA], 6, 10, nixl_wrapper)
+    meta = ReqMeta(
+        local_block_ids=[[1, 2, 3, 4], [9]],  # 24 kernel blocks (r=6)
+        local_physical_block_ids=[],
+        tp_size=1,
+        remote=RemoteMeta(
+            block_ids=[[6], [5]],  # 10 kernel blocks (r=10): 14 apart, more than rounding
+            host="127.0.0.1",
+            port=5600,
+            engine_id=REMOTE_ENGINE,
+            request_id="p-1",
+        ),
+    )
+    meta.local_physical_block_ids = worker._logical_to_kernel_block_ids(meta.local_block_ids)
+    worker._read_blocks_for_req("req-bad", meta)
+    nixl_wrapper.make_prepped_xfer.assert_not_called()
+    nixl_wrapper.transfer.assert_not_called()
+    assert worker._failed_recv_reqs == {"req-bad"}
+
+
+def agent_metadata(remote_ratio: int) -> NixlAgentMetadata:
+    return NixlAgentMetadata(
+        engine_id=REMOTE_ENGINE,
+        agent_metadata=b"",
+        kv_caches_base_addr=[0, 0],
+        device_id=0,
+        num_blocks=LOGICAL_BLOCKS * remote_ratio,
+        block_lens=[1024, 1024],
+        kv_cache_layout="HND",
+        block_size=KERNEL_BLOCK_TOKENS,
+        ssm_sizes=(0, 0),
+        attn_backend_name="FLASHINFER",
+        physical_blocks_per_logical_kv_block=remote_ratio,
+    )
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_handshake_refuses_unequal_ratios_with_prefix_caching_before_upstream_checks(
+    prefix_caching, mocker
+):
+    upstream = mocker.patch.object(NixlConnectorWorker, "_validate_remote_agent_handshake")
+    worker = read_path_worker(NixlHMAConnectorWorker, [FULL, MAMBA], 10, 6, mocker.Mock())
+    worker.vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)
+    )
+    if prefix_caching:
+        with pytest.raises(RuntimeError, match="--no-enable-prefix-caching") as info:
+            worker._validate_remote_agent_handshake(agent_metadata(6), 1)
+        assert isinstance(info.value, IncompatibleRemoteError)
+        assert "local=10" in str(info.value) and "remote=6" in str(info.value)
+        upstream.assert_not_called()
+    else:
+        worker._validate_remote_agent_handshake(agent_metadata(6), 1)
+        upstream.assert_called_once()

@@ -15,11 +15,12 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_nixl_hma.errors import UnsupportedVersionError
 
-__all__ = ["SUPPORTED_VLLM", "TESTED_VLLM", "require_supported_vllm"]
+__all__ = ["SUPPORTED_VLLM", "SUPPORTED_VLLM_RANGE", "TESTED_VLLM", "require_supported_vllm"]
 
 #: vLLM releases whose NixlConnector internals the overrides were written and
 #: tested against. Widen only after the test suite passed on the new release.
-SUPPORTED_VLLM = SpecifierSet(">=0.21.0,<0.21.1")
+SUPPORTED_VLLM_RANGE = ">=0.21.0,<0.21.1"
+SUPPORTED_VLLM = SpecifierSet(SUPPORTED_VLLM_RANGE)
 TESTED_VLLM = ("0.21.0",)
 
 
@@ -30,7 +31,7 @@ def require_supported_vllm(installed: str | None = None) -> str:
             installed = metadata.version("vllm")
         except metadata.PackageNotFoundError as e:
             raise UnsupportedVersionError(
-                f"vllm_nixl_hma needs vLLM {SUPPORTED_VLLM}, and vLLM is not installed."
+                f"vllm_nixl_hma needs vLLM {SUPPORTED_VLLM_RANGE}, and vLLM is not installed."
             ) from e
     try:
         # Local labels (0.21.0+cu130) and post releases stay in range.
@@ -39,7 +40,7 @@ def require_supported_vllm(installed: str | None = None) -> str:
         in_range = False
     if not in_range:
         raise UnsupportedVersionError(
-            f"vllm_nixl_hma supports vLLM {SUPPORTED_VLLM} (tested: "
+            f"vllm_nixl_hma supports vLLM {SUPPORTED_VLLM_RANGE} (tested: "
             f"{', '.join(TESTED_VLLM)}), but vLLM {installed} is installed."
         )
     return installed

@@ -25,12 +25,17 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from vllm.logger import init_logger
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["ConfigHookError", "apply", "install", "selects_this_connector"]
 
 _HOOK_MARK = "_vllm_nixl_hma_config_hook"
+
+# Imported from the plugin entry point only, in processes that run vLLM.
+logger = init_logger(f"vllm.{__name__}")
 
 
 class ConfigHookError(ValueError):
@@ -58,10 +63,8 @@ def apply(vllm_config: VllmConfig) -> None:
     """Edit ``vllm_config`` in place as the module docstring says."""
     if not selects_this_connector(vllm_config) or not _is_mamba_hybrid(vllm_config):
         return
-    from vllm.logger import init_logger
     from vllm.platforms import current_platform
 
-    logger = init_logger(f"vllm.{__name__}")
     architecture = vllm_config.model_config.architecture
     cache_config = vllm_config.cache_config
     if cache_config.enable_prefix_caching:

@@ -1,21 +1,31 @@
 """``vllm-nixl-hma``: command-line entry point.
 
 Imports nothing heavy until a subcommand runs, so ``--help`` is instant.
-Exit codes are ``ExitCode``.
+Progress and the table go to stderr; with ``--json`` stdout carries exactly
+one JSON object. Exit codes are ``ExitCode``.
 """
 
 from __future__ import annotations
 
 import argparse
 import enum
+import json
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from vllm_nixl_hma import __version__
 
+CONNECTORS = ("NixlHMAConnector", "NixlConnector")
+DEFAULT_TP_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
+DEFAULT_LAYOUTS = ("dense", "swa", "hybrid", "hybrid-1group")
+SCENARIOS = ("mid-block", "boundary")
+
 
 class ExitCode(enum.IntEnum):
-    OK = 0  #: every scenario passed
+    OK = 0  #: every scenario moved data and every checked slot was right
     MISMATCHES = 1  #: at least one scenario had mismatched slots or failed
     INTERRUPTED = 2  #: Ctrl-C
     INTERNAL_ERROR = 3  #: a bug in the check itself
@@ -30,11 +40,131 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subcommands = parser.add_subparsers(dest="command", required=True)
-    subcommands.add_parser(
+    check = subcommands.add_parser(
         "check",
         help="move real KV bytes between prefill and decode engines and verify every slot",
+        description=(
+            "Start prefill and decode engines (one process per TP rank) with the real "
+            "connector worker over NIXL/UCX on 127.0.0.1, move oracle-coded KV for "
+            "several requests per scenario and count decode slots that do not hold "
+            "what prefill wrote. Exit 0 only if every scenario has 0 mismatches."
+        ),
+    )
+    check.add_argument("--connector", choices=CONNECTORS, default=CONNECTORS[0])
+    check.add_argument("--prefill-tp", type=int, help="run only this prefill TP")
+    check.add_argument("--decode-tp", type=int, help="run only this decode TP")
+    check.add_argument(
+        "--layout", help=f"run only this embedded layout ({', '.join(DEFAULT_LAYOUTS)})"
+    )
+    check.add_argument(
+        "--model-config",
+        type=Path,
+        metavar="DIR",
+        help="a model directory with an HF config.json (no weights needed) instead "
+        "of the embedded layouts",
+    )
+    check.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    check.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where KV caches live"
     )
     return parser
+
+
+def _cells(args: argparse.Namespace, workdir: Path):
+    from vllm_nixl_hma.harness.coordinator import Cell, Scenario, model_dir_for
+    from vllm_nixl_hma.harness.model_shapes import LAYOUTS
+
+    tp_pairs = [
+        (p, d)
+        for p, d in DEFAULT_TP_PAIRS
+        if (args.prefill_tp in (None, p)) and (args.decode_tp in (None, d))
+    ]
+    if args.prefill_tp and args.decode_tp and not tp_pairs:
+        tp_pairs = [(args.prefill_tp, args.decode_tp)]
+    if args.model_config is not None:
+        model_dirs = {args.model_config.name: str(args.model_config.resolve())}
+    else:
+        names = [args.layout] if args.layout else list(DEFAULT_LAYOUTS)
+        model_dirs = {name: model_dir_for(LAYOUTS[name], workdir) for name in names}
+    return [
+        Cell(
+            layout=name,
+            model_dir=model_dir,
+            p_tp=p_tp,
+            d_tp=d_tp,
+            connector=args.connector,
+            scenarios=[Scenario(s) for s in SCENARIOS],
+        )
+        for name, model_dir in model_dirs.items()
+        for p_tp, d_tp in tp_pairs
+    ]
+
+
+COLUMNS = (
+    # header, width, value of a ScenarioResult
+    ("scenario", 10, lambda r: r.name),
+    ("P_TP", 4, lambda r: r.p_tp),
+    ("D_TP", 4, lambda r: r.d_tp),
+    ("layout", 13, lambda r: r.layout),
+    ("ratio D/P", 9, lambda r: f"{r.local_ratio}/{r.remote_ratio}"),
+    ("reqs", 4, lambda r: r.requests),
+    ("slots checked", 13, lambda r: r.slots_checked),
+    ("mismatched", 10, lambda r: r.mismatched_slots),
+    ("MiB moved", 9, lambda r: f"{r.bytes / 2**20:.2f}"),
+    ("descs", 6, lambda r: r.descriptors),
+    ("xfer s", 7, lambda r: f"{r.seconds:.3f}"),
+    ("GB/s", 6, lambda r: f"{r.bytes / r.seconds / 1e9:.2f}" if r.seconds else "-"),
+)
+
+
+def render_table(results) -> str:
+    lines = [" ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w, _) in enumerate(COLUMNS))]
+    for result in results:
+        cells = []
+        for i, (_, width, value) in enumerate(COLUMNS):
+            text = str(value(result))
+            cells.append(f"{text:>{width}}" if i else f"{text:<{width}}")
+        lines.append(" ".join(cells))
+    failed = [r for r in results if not r.ok]
+    if failed:
+        lines.append("")
+        lines.append("short summary of failing scenarios:")
+        for r in failed:
+            reason = r.error or (
+                f"{r.mismatched_slots} mismatched slots" if r.slots_checked else "nothing checked"
+            )
+            lines.append(f"FAILED {r.name} P_TP={r.p_tp} D_TP={r.d_tp} {r.layout}: {reason}")
+            lines.extend(f"    {example}" for example in r.examples[:3])
+    lines.append(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return "\n".join(lines)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    if args.device != "cpu":
+        print("--device cuda: not supported yet; run without it", file=sys.stderr)
+        return ExitCode.USAGE_ERROR
+    from vllm_nixl_hma.harness.coordinator import run_cells
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vllm-nixl-hma-check-") as workdir:
+        cells = _cells(args, Path(workdir))
+        if not cells:
+            print("no scenario matches the options", file=sys.stderr)
+            return ExitCode.USAGE_ERROR
+        results = run_cells(cells, lambda line: print(f"[check] {line}", file=sys.stderr))
+    print(render_table(results), file=sys.stderr)
+    print(f"[check] {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    ok = bool(results) and all(r.ok for r in results)
+    if args.json:
+        print(json.dumps({"ok": ok, "scenarios": [r.as_json() for r in results]}))
+    if not any(r.slots_checked for r in results):
+        return ExitCode.NOTHING_RAN
+    return ExitCode.OK if ok else ExitCode.MISMATCHES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,11 +173,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return ExitCode.OK if e.code == 0 else ExitCode.USAGE_ERROR
-    if args.command == "check":
-        print(
-            "vllm-nixl-hma check: not implemented yet; the multi-process NIXL "
-            "oracle lands with the next release (issue #3). Nothing was checked.",
-            file=sys.stderr,
-        )
-        return ExitCode.NOTHING_RAN
+    try:
+        if args.command == "check":
+            return run_check(args)
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        return ExitCode.INTERNAL_ERROR
     return ExitCode.USAGE_ERROR

@@ -25,6 +25,19 @@ method, and every byte of data movement, is upstream's.
     own trimming is a no-op; a request whose lists cannot be aligned is
     failed before any byte is read. Remove when: as above.
 
+``add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size)`` and
+``_build_mamba_remote(nixl_agent_meta, tp_ratio, transfer_info)``
+    Why: upstream computes the prefill-side offsets of the B and C conv slices
+    as if SSM groups were sharded like x. When the model has fewer groups than
+    the larger TP (vLLM then replicates the single group on every rank), B and
+    C arrive wrong whenever prefill and decode TP differ, in both directions
+    (design.md section 8; still so in vLLM 0.33.0). How: ``add_remote_agent``
+    records which remote rank is being added; ``_build_mamba_remote`` keeps
+    upstream's descriptors and replaces the B and C entries with offsets from
+    ``mamba_conv.conv_read_plan``, derived from vLLM's own weight-loading rules.
+    x and the SSM state are upstream's. Remove when: upstream reads replicated
+    groups right.
+
 ``_validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)``
     Why: upstream accepts a Mamba hybrid peer with another ratio while prefix
     caching is on, and the mismatch surfaces mid-request. How:
@@ -40,7 +53,10 @@ from vllm_nixl_hma._compat import require_supported_vllm
 
 require_supported_vllm()
 
-from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
+    BlockIds,
+    EngineTransferInfo,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
     NixlAgentMetadata,
 )
@@ -60,8 +76,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from vllm_nixl_hma import blocks  # noqa: E402
-from vllm_nixl_hma.errors import BlockAlignmentError  # noqa: E402
+from vllm_nixl_hma import blocks, mamba_conv  # noqa: E402
+from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError  # noqa: E402
 
 __all__ = ["NixlHMAConnectorWorker", "group_kinds_of"]
 
@@ -221,3 +237,98 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
         )
         super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)
+
+    def add_remote_agent(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+    ) -> str:
+        """vLLM 0.21.0 ``NixlConnectorWorker.add_remote_agent``, unchanged but
+        for recording ``remote_tp_rank`` for ``_build_mamba_remote``, which
+        upstream calls without it."""
+        self._remote_tp_rank_being_added = remote_tp_rank
+        try:
+            return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size)
+        finally:
+            self._remote_tp_rank_being_added = None
+
+    def _build_mamba_remote(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        tp_ratio: int,
+        transfer_info: EngineTransferInfo,
+    ) -> list[tuple[int, int, int]]:
+        """vLLM 0.21.0 ``NixlConnectorWorker._build_mamba_remote``.
+
+        Why: upstream's B and C offsets assume sharded SSM groups; with a
+        replicated group and unequal TP they read the wrong bytes. What
+        changes: upstream's list is kept (per layer: x, B, C entries for every
+        block, then the SSM entries) and the B and C entries are rebuilt from
+        ``mamba_conv.conv_read_plan`` for this decode rank and the remote rank
+        being added. Nothing changes when groups are sharded on both sides.
+        Remove when: upstream reads replicated groups right.
+        """
+        descs = super()._build_mamba_remote(nixl_agent_meta, tp_ratio, transfer_info)
+        slices = self._remote_conv_slices(transfer_info.remote_tp_size)
+        if slices is None:
+            return descs
+        remote_physical_per_logical = transfer_info.remote_physical_blocks_per_logical
+        num_blocks = nixl_agent_meta.num_blocks // remote_physical_per_logical
+        num_layers = len(nixl_agent_meta.kv_caches_base_addr)
+        entries_per_layer = 4 * num_blocks  # x, B, C, SSM
+        if len(descs) != num_layers * entries_per_layer:
+            raise RuntimeError(
+                f"upstream _build_mamba_remote returned {len(descs)} descriptors, expected "
+                f"{num_layers} layers x 4 x {num_blocks} blocks: vLLM changed its layout"
+            )
+        for layer, base_addr in enumerate(nixl_agent_meta.kv_caches_base_addr):
+            page_stride = nixl_agent_meta.block_lens[layer] * remote_physical_per_logical
+            for part, component in enumerate(mamba_conv.CONV_COMPONENTS):
+                offset_bytes, size_bytes = slices[component]
+                first = layer * entries_per_layer + part * num_blocks
+                for block in range(num_blocks):
+                    descs[first + block] = (
+                        base_addr + block * page_stride + offset_bytes,
+                        size_bytes,
+                        nixl_agent_meta.device_id,
+                    )
+        return descs
+
+    def _remote_conv_slices(self, remote_tp_size: int) -> dict[str, tuple[int, int]] | None:
+        """(remote offset, size) in bytes of x, B and C on the remote rank being
+        added, or None when upstream's offsets are right (groups sharded)."""
+        params = mamba_conv.mamba2_params(self.vllm_config.model_config.hf_config)
+        if params is None or not (
+            mamba_conv.groups_replicated(params.n_groups, self.world_size)
+            or mamba_conv.groups_replicated(params.n_groups, remote_tp_size)
+        ):
+            return None
+        if self._conv_decomp is None:
+            raise RuntimeError("Mamba conv split is not initialised")
+        shape = (
+            params.intermediate_size,
+            params.n_groups,
+            params.d_state,
+            params.num_heads,
+            self._conv_decomp.conv_rows,
+            self._conv_decomp.conv_dtype_size,
+        )
+        plan = mamba_conv.conv_read_plan(*shape, remote_tp_size, self.world_size, self.tp_rank)
+        if not mamba_conv.respects_vllm_local_splits(
+            plan, *shape, remote_tp_size, self.world_size, self.tp_rank
+        ):
+            raise IncompatibleRemoteError(
+                "tensor_parallel_size",
+                self.world_size,
+                remote_tp_size,
+                "the replicated Mamba2 group's B/C conv state cannot be split evenly "
+                "across the prefill ranks this decode rank reads; use TP sizes whose "
+                "ratio divides d_state * (conv_kernel - 1) * dtype size",
+            )
+        remote_rank = self._remote_tp_rank_being_added
+        return {
+            read.component: (read.remote_offset_bytes, read.size_bytes)
+            for read in plan
+            if read.p_rank == remote_rank
+        }

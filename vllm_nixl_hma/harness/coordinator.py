@@ -1,0 +1,366 @@
+"""Runs P/D cells on a pool of rank processes and turns results into rows.
+
+A *cell* is one prefill engine and one decode engine (P_TP x D_TP, a model
+layout, a connector); a *scenario* is one batch of concurrent requests moved
+through it. The coordinator allocates every request's blocks the way each
+engine's scheduler would (its own logical block size, sliding-window
+clipping, one Mamba state block), tells prefill to write oracle codes and
+decode to poison, lets decode read through the connector while prefill
+serves notifications, and collects decode's verdict. Rank processes are
+spawned once and reused for every cell.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import random
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_nixl_hma.harness.rank import rank_main
+
+COMMAND_TIMEOUT_S = 300.0
+TRANSFER_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Scenario:
+    """A batch of concurrent requests; lengths are chosen once both engines'
+    logical block sizes are known."""
+
+    name: str  # "mid-block" or "boundary"
+
+    def prompt_tokens(self, prefill_block_tokens: int, decode_block_tokens: int) -> list[int]:
+        larger = max(prefill_block_tokens, decode_block_tokens)
+        smaller = min(prefill_block_tokens, decode_block_tokens)
+        if self.name == "mid-block":
+            # block sizes are multiples of 16: none of these ends on a boundary
+            return [2 * larger + 7, larger + smaller // 2 + 5, 5]
+        if self.name == "boundary":
+            both = math.lcm(prefill_block_tokens, decode_block_tokens)
+            return [
+                decode_block_tokens,
+                prefill_block_tokens * 2,
+                both if both <= 4 * larger else larger,
+            ]
+        raise ValueError(f"unknown scenario {self.name!r}")
+
+
+@dataclass
+class Cell:
+    layout: str
+    model_dir: str
+    p_tp: int
+    d_tp: int
+    connector: str
+    scenarios: list[Scenario]
+    num_gpu_blocks: int = 256
+    max_model_len: int = 512
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    p_tp: int
+    d_tp: int
+    layout: str
+    local_ratio: int | None = None
+    remote_ratio: int | None = None
+    requests: int = 0
+    slots_checked: int = 0
+    mismatched_slots: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.mismatched_slots == 0 and self.slots_checked > 0
+
+    def as_json(self) -> dict[str, Any]:
+        row = asdict(self)
+        row.pop("examples")
+        return row
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankPool:
+    """Spawned rank processes, each importing vLLM once."""
+
+    def __init__(self, size: int):
+        context = multiprocessing.get_context("spawn")
+        self.connections = []
+        self.processes = []
+        for _ in range(size):
+            parent, child = context.Pipe()
+            process = context.Process(target=rank_main, args=(child,), daemon=True)
+            process.start()
+            child.close()
+            self.connections.append(parent)
+            self.processes.append(process)
+        for index in range(size):
+            self._receive(index, COMMAND_TIMEOUT_S)
+
+    def _receive(self, index: int, timeout_s: float):
+        connection = self.connections[index]
+        if not connection.poll(timeout_s):
+            raise TimeoutError(f"rank process {index} did not answer in {timeout_s:.0f} s")
+        status, reply = connection.recv()
+        if status == "error":
+            raise RankError(reply)
+        return reply
+
+    def send(self, index: int, command: str, args: dict[str, Any] | None = None) -> None:
+        self.connections[index].send((command, args or {}))
+
+    def call_all(
+        self, calls: dict[int, tuple[str, dict[str, Any]]], timeout_s: float = COMMAND_TIMEOUT_S
+    ) -> dict[int, Any]:
+        """Send every call, then collect every reply (errors raise after all replied)."""
+        for index, (command, args) in calls.items():
+            self.send(index, command, args)
+        replies: dict[int, Any] = {}
+        first_error: Exception | None = None
+        for index in calls:
+            try:
+                replies[index] = self._receive(index, timeout_s)
+            except (RankError, TimeoutError) as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return replies
+
+    def close(self) -> None:
+        for connection in self.connections:
+            try:
+                connection.send(("exit", {}))
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+
+
+class RankError(RuntimeError):
+    """A command failed inside a rank process (message carries its traceback)."""
+
+
+@dataclass
+class SideBlocks:
+    """One request's blocks on one engine, as its scheduler would hand them out."""
+
+    logical_ids_by_group: list[list[int]]
+    first_logical_index_by_group: list[int]
+
+
+def allocate(
+    info: dict[str, Any], prompt_tokens: list[int], rng: random.Random
+) -> list[SideBlocks]:
+    """Blocks for every request from one engine's shared HMA pool (block 0 is
+    vLLM's null block and never handed out)."""
+    free = list(range(1, info["num_logical_blocks"]))
+    rng.shuffle(free)
+    logical_tokens = info["logical_block_tokens"]
+    result = []
+    for num_tokens in prompt_tokens:
+        logical_count = math.ceil(num_tokens / logical_tokens)
+        ids_by_group, first_by_group = [], []
+        for kind, window in zip(info["group_kinds"], info["sliding_window_by_group"], strict=True):
+            if kind == "mamba":
+                ids_by_group.append([free.pop()])
+                first_by_group.append(0)
+                continue
+            ids = [free.pop() for _ in range(logical_count)]
+            if kind == "sliding_window":
+                # vLLM's NIXL scheduler keeps cdiv(window, block) + 1 trailing blocks
+                ids = ids[-(math.ceil(window / logical_tokens) + 1) :]
+            ids_by_group.append(ids)
+            first_by_group.append(logical_count - len(ids))
+        result.append(SideBlocks(ids_by_group, first_by_group))
+    return result
+
+
+def run_cell(
+    pool: RankPool, cell: Cell, progress: Callable[[str], None], seed: int = 0
+) -> list[ScenarioResult]:
+    """Set up both engines of a cell on the pool, run its scenarios, tear down."""
+    p_ranks = list(range(cell.p_tp))
+    d_ranks = list(range(cell.p_tp, cell.p_tp + cell.d_tp))
+    results = [ScenarioResult(s.name, cell.p_tp, cell.d_tp, cell.layout) for s in cell.scenarios]
+    side_channel_port = free_port()
+    specs = {}
+    for role, ranks, engine_id, dist_port in (
+        ("prefill", p_ranks, f"prefill-{side_channel_port}", free_port()),
+        ("decode", d_ranks, f"decode-{side_channel_port}", free_port()),
+    ):
+        for tp_rank, index in enumerate(ranks):
+            specs[index] = (
+                "setup",
+                {
+                    "role": role,
+                    "engine_id": engine_id,
+                    "connector": cell.connector,
+                    "model_dir": cell.model_dir,
+                    "tp_size": len(ranks),
+                    "tp_rank": tp_rank,
+                    "dist_port": dist_port,
+                    "side_channel_port": side_channel_port if role == "prefill" else free_port(),
+                    "num_gpu_blocks": cell.num_gpu_blocks,
+                    "max_model_len": cell.max_model_len,
+                },
+            )
+    try:
+        infos = pool.call_all(specs)
+        p_info, d_info = infos[p_ranks[0]], infos[d_ranks[0]]
+        for result in results:
+            result.remote_ratio = p_info["physical_per_logical"]
+            result.local_ratio = d_info["physical_per_logical"]
+        payloads = {
+            tp_rank: infos[index]["handshake_payload"] for tp_rank, index in enumerate(p_ranks)
+        }
+        pool.call_all({p_ranks[0]: ("serve_side_channel", {"payloads": payloads})})
+        for scenario, result in zip(cell.scenarios, results, strict=True):
+            progress(
+                f"{cell.connector} {cell.layout} P_TP={cell.p_tp} D_TP={cell.d_tp} {scenario.name}"
+            )
+            _run_scenario(
+                pool,
+                cell,
+                scenario,
+                result,
+                p_ranks,
+                d_ranks,
+                p_info,
+                d_info,
+                side_channel_port,
+                random.Random(seed),
+            )
+    except (RankError, TimeoutError) as e:
+        for result in results:
+            if result.error is None and result.slots_checked == 0:
+                result.error = _first_line(e)
+    finally:
+        try:
+            pool.call_all({index: ("teardown", {}) for index in p_ranks + d_ranks})
+        except (RankError, TimeoutError):
+            pass
+    return results
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _run_scenario(
+    pool, cell, scenario, result, p_ranks, d_ranks, p_info, d_info, side_channel_port, rng
+) -> None:
+    prompt_tokens = scenario.prompt_tokens(
+        p_info["logical_block_tokens"], d_info["logical_block_tokens"]
+    )
+    p_blocks = allocate(p_info, prompt_tokens, rng)
+    d_blocks = allocate(d_info, prompt_tokens, rng)
+    request_ids = [f"{scenario.name}-{i}-{side_channel_port}" for i in range(len(prompt_tokens))]
+    result.requests = len(prompt_tokens)
+
+    def oracle_requests(blocks: list[SideBlocks]):
+        return [
+            {"request_index": i, "num_tokens": n, "logical_ids_by_group": b.logical_ids_by_group}
+            for i, (n, b) in enumerate(zip(prompt_tokens, blocks, strict=True))
+        ]
+
+    fill_args = {
+        "requests": oracle_requests(p_blocks),
+        "first_logical_index_by_group": [b.first_logical_index_by_group for b in p_blocks],
+    }
+    calls = {index: ("fill", fill_args) for index in p_ranks}
+    calls.update({index: ("poison", {}) for index in d_ranks})
+    pool.call_all(calls)
+
+    load_requests = [
+        {
+            "request_id": rid,
+            "local_logical_ids_by_group": d.logical_ids_by_group,
+            "kv_transfer_params": {
+                "remote_block_ids": p.logical_ids_by_group,
+                "remote_engine_id": f"prefill-{side_channel_port}",
+                "remote_request_id": rid,
+                "remote_host": "127.0.0.1",
+                "remote_port": side_channel_port,
+                "tp_size": cell.p_tp,
+            },
+        }
+        for rid, p, d in zip(request_ids, p_blocks, d_blocks, strict=True)
+    ]
+    for index in p_ranks:
+        pool.send(index, "serve", {"request_ids": request_ids, "timeout_s": TRANSFER_TIMEOUT_S})
+    for index in d_ranks:
+        pool.send(index, "load", {"requests": load_requests, "timeout_s": TRANSFER_TIMEOUT_S})
+    load_error = None
+    loads = {}
+    for index in d_ranks:
+        try:
+            loads[index] = pool._receive(index, COMMAND_TIMEOUT_S)
+        except RankError as e:
+            load_error = load_error or e
+    for index in p_ranks:
+        pool.send(index, "abort")
+    for index in p_ranks:
+        pool._receive(index, COMMAND_TIMEOUT_S)
+    if load_error is not None:
+        result.error = _first_line(load_error)
+        return
+    not_done = {rid for load in loads.values() for rid in set(request_ids) - set(load["done"])}
+    if not_done:
+        result.error = f"{len(not_done)} request(s) not finished in {TRANSFER_TIMEOUT_S:.0f} s"
+    result.seconds = max(load["seconds"] for load in loads.values())
+    result.bytes = sum(load["bytes"] for load in loads.values())
+    result.descriptors = sum(load["descriptors"] for load in loads.values())
+
+    verify_args = {
+        "requests": oracle_requests(d_blocks),
+        "first_logical_index_by_group": [b.first_logical_index_by_group for b in d_blocks],
+    }
+    verdicts = pool.call_all({index: ("verify", verify_args) for index in d_ranks})
+    for verdict in verdicts.values():
+        result.slots_checked += verdict.slots_checked
+        result.mismatched_slots += verdict.mismatched_slots
+        result.examples.extend(verdict.examples[: 5 - len(result.examples)])
+
+
+def model_dir_for(config: dict[str, Any], root: Path) -> str:
+    """Write an embedded config.json to a directory both engines share."""
+    import json
+
+    directory = Path(tempfile.mkdtemp(prefix="model-", dir=root))
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def run_cells(cells: list[Cell], progress: Callable[[str], None]) -> list[ScenarioResult]:
+    size = max(cell.p_tp + cell.d_tp for cell in cells)
+    started = time.perf_counter()
+    pool = RankPool(size)
+    progress(f"{size} rank processes ready in {time.perf_counter() - started:.1f} s")
+    results: list[ScenarioResult] = []
+    try:
+        for cell in cells:
+            results.extend(run_cell(pool, cell, progress))
+    finally:
+        pool.close()
+    return results

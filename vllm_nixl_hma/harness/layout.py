@@ -1,0 +1,603 @@
+"""One TP rank's KV cache, laid out exactly as vLLM 0.21.0's GPU model runner does, in CPU memory.
+
+Built in a single process without ``torch.distributed``: no model is instantiated, so nothing
+needs a process group. Everything that decides the layout is vLLM's own code:
+
+* ``Platform.update_block_size_for_backend`` (phase 1: the backend's preferred block size;
+  phase 2: ``Platform._align_hybrid_block_size``) sets the hybrid logical block size and the
+  padded Mamba page size, as every GPU worker does right after it starts
+  (``vllm/v1/executor/*_executor.py``);
+* ``vllm.v1.core.kv_cache_utils.get_kv_cache_configs`` builds the ``KVCacheConfig`` (HMA groups and
+  the tensors that attention and Mamba layers share);
+* ``vllm.v1.worker.utils.prepare_kernel_block_sizes`` (-> ``select_common_block_size``) picks the
+  kernel block size per group;
+* ``GPUModelRunner._allocate_kv_cache_tensors``, ``_reshape_kv_cache_tensors`` (which calls
+  ``_update_hybrid_attention_mamba_layout`` for hybrids) allocate the shared int8 buffers and make
+  the per-layer tensors that the runner hands to ``connector.register_kv_caches``.
+
+Substitutions (kept narrow, all local to this module; nothing global is patched):
+
+1. Per-layer ``KVCacheSpec``s are built by hand, mirroring ``Attention.get_kv_cache_spec`` and
+   ``MambaBase.get_kv_cache_spec``: attention -> ``FullAttentionSpec(block_size, num_kv_heads=
+   model_config.get_num_kv_heads(parallel_config), head_size, dtype)``; Mamba2 -> ``MambaSpec``
+   with shapes/dtypes from the model class's ``get_mamba_state_shape_from_config`` /
+   ``get_mamba_state_dtype_from_config`` (class resolved through ``ModelRegistry``),
+   ``mamba_type=MambaAttentionBackendEnum.MAMBA2``. Which layer is which, and the layer names,
+   come from the hf config (``hybrid_override_pattern`` for Nemotron-H, ``layers_block_type``
+   for Bamba, all-attention for dense Llama-like models) and the model file's module prefixes.
+2. The attention backend is FlashInfer's class (``FlashInferBackend``; fixed kernel block sizes
+   16/32/64) wherever vLLM would look one up from the model's layers: in the platform's
+   ``_find_non_ssm_backend`` (via a private ``Platform`` subclass) and in the attention groups
+   handed to the runner methods. Mamba groups get ``MambaAttentionBackendEnum.MAMBA2``'s class.
+3. The runner is a small stand-in object with the attributes those methods read
+   (``kv_cache_config``, ``attn_groups``, ``runner_only_attn_layers``, ``cache_config``,
+   ``device="cpu"``); the methods are ``GPUModelRunner``'s own functions.
+4. ``build_vllm_config`` sets ``scheduler_config.disable_hybrid_kv_cache_manager = False`` after
+   building (vLLM forces it True on this CPU-only "unspecified" platform).
+5. The KV cache layout (``get_kv_cache_layout``, lru-cached process-wide) is recomputed inside
+   ``set_current_vllm_config(cfg)`` so the connector's required layout (HND for NIXL) applies,
+   as in a GPU worker; the cached value is left in place for the connector worker to read.
+6. ``trust_remote_code`` is turned on when ``config.json`` has an ``auto_map``: transformers 4.57
+   has no ``nemotron_h`` config type, so a Nemotron-H test config ships a
+   ``configuration_nemotron_h.py`` (as real Nemotron-H checkpoints do).
+
+Head mapping (``AttentionLayerView.global_heads``) is the one rule written here rather than
+called: it restates ``QKVParallelLinear``'s KV shard rule (``vllm/model_executor/layers/
+linear.py``: ``shard_rank = tp_rank // num_kv_head_replicas``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from dataclasses import dataclass, field  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = [
+    "AttentionLayerView",
+    "EngineLayout",
+    "LayoutError",
+    "MambaLayerView",
+    "build_engine_layout",
+    "build_vllm_config",
+    "layer_plan",
+    "verify_layout",
+]
+
+
+class LayoutError(AssertionError):
+    """The built layout is not what vLLM's runner would make (or a check of it failed)."""
+
+
+def _require(condition: object, *detail: object) -> None:
+    if not condition:
+        raise LayoutError(*detail)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _attention_backend_cls() -> type:
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    return FlashInferBackend
+
+
+def _platform_cls() -> type:
+    """A ``Platform`` whose attention-backend lookup answers FlashInfer (substitution 2)."""
+    from vllm.platforms.interface import Platform
+
+    class _HarnessPlatform(Platform):
+        @classmethod
+        def _find_non_ssm_backend(cls, vllm_config):  # noqa: ARG003
+            return _attention_backend_cls()
+
+    return _HarnessPlatform
+
+
+def build_vllm_config(
+    model_dir: str,
+    tp_size: int,
+    connector: str,
+    engine_id: str,
+    kv_role: str,
+    num_gpu_blocks: int,
+    max_model_len: int,
+    enable_prefix_caching: bool = False,
+    trust_remote_code: bool | None = None,
+) -> VllmConfig:
+    """A ``VllmConfig`` for one engine of TP ``tp_size``, with the block sizes a GPU worker sets.
+
+    ``trust_remote_code=None`` means: True exactly when ``config.json`` has an ``auto_map`` (the
+    way Nemotron-H checkpoints ship their config class; transformers 4.57 lacks ``nemotron_h``).
+    """
+    import json
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if trust_remote_code is None:
+        with open(os.path.join(str(model_dir), "config.json")) as f:
+            trust_remote_code = "auto_map" in json.load(f)
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    if connector == "NixlHMAConnector":
+        from vllm_nixl_hma import plugin
+
+        plugin.register()
+
+    model_config = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        trust_remote_code=trust_remote_code,
+    )
+    cfg = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(
+            num_gpu_blocks_override=num_gpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        scheduler_config=SchedulerConfig.default_factory(max_model_len=max_model_len),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector,
+            kv_role=kv_role,
+            engine_id=engine_id,
+            kv_buffer_device="cpu",
+        ),
+    )
+    # Substitution 4: CPU forces HMA off; the GPU engines we stand in for run with it on.
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    # What every GPU worker does right after it starts (substitution 2 for the backend).
+    _platform_cls().update_block_size_for_backend(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- layer specs
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer_index: int
+    kind: str  # "attention" or "mamba"
+    layer_name: str
+
+
+def layer_plan(vllm_config: VllmConfig) -> list[LayerPlan]:
+    """Layers that hold KV cache, in model order, with the names vLLM's model files give them."""
+    hf = vllm_config.model_config.hf_config
+    arch = vllm_config.model_config.architecture
+    plans: list[LayerPlan] = []
+    if arch == "NemotronHForCausalLM":
+        # nemotron_h.py: mamba mixer prefix "model.layers.{i}.mixer";
+        # attention "model.layers.{i}.mixer.attn". '-' (MLP) and 'E' (MoE) hold no cache.
+        for i, ch in enumerate(hf.hybrid_override_pattern):
+            if ch == "M":
+                plans.append(LayerPlan(i, "mamba", f"model.layers.{i}.mixer"))
+            elif ch == "*":
+                plans.append(LayerPlan(i, "attention", f"model.layers.{i}.mixer.attn"))
+    elif arch == "BambaForCausalLM":
+        # bamba.py: MambaMixer2 prefix "model.layers.{i}.mixer"; Attention "model.layers.{i}.attn".
+        for i, kind in enumerate(hf.layers_block_type):
+            if kind == "mamba":
+                plans.append(LayerPlan(i, "mamba", f"model.layers.{i}.mixer"))
+            elif kind == "attention":
+                plans.append(LayerPlan(i, "attention", f"model.layers.{i}.attn"))
+            else:
+                raise NotImplementedError(f"Bamba layer kind {kind!r}")
+    elif not vllm_config.model_config.is_hybrid and arch in (
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "MistralForCausalLM",
+    ):
+        # llama.py: per-layer "sliding_attention" in layer_types gets config.sliding_window
+        layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+        for i, layer_type in enumerate(layer_types):
+            kind = "sliding" if layer_type == "sliding_attention" else "attention"
+            plans.append(LayerPlan(i, kind, f"model.layers.{i}.self_attn.attn"))
+    else:
+        raise NotImplementedError(f"layer plan for {arch} is not written")
+    return plans
+
+
+def _attention_spec(vllm_config: VllmConfig, sliding_window: int | None = None):
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    cc, mc, pc = vllm_config.cache_config, vllm_config.model_config, vllm_config.parallel_config
+    dtype = mc.dtype if cc.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cc.cache_dtype]
+    common = {
+        "block_size": cc.block_size,
+        "num_kv_heads": mc.get_num_kv_heads(pc),
+        "head_size": mc.get_head_size(),
+        "dtype": dtype,
+    }
+    if sliding_window is not None:
+        return SlidingWindowSpec(**common, sliding_window=sliding_window)
+    return FullAttentionSpec(**common)
+
+
+def _model_cls(vllm_config: VllmConfig):
+    from vllm.model_executor.models import ModelRegistry
+
+    mc = vllm_config.model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+    return model_cls
+
+
+def _mamba_spec(vllm_config: VllmConfig):
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    cc = vllm_config.cache_config
+    model_cls = _model_cls(vllm_config)
+    _require(cc.mamba_block_size is not None)
+    return MambaSpec(
+        shapes=tuple(tuple(s) for s in model_cls.get_mamba_state_shape_from_config(vllm_config)),
+        dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
+        block_size=cc.mamba_block_size,
+        page_size_padded=cc.mamba_page_size_padded,
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        mamba_cache_mode=cc.mamba_cache_mode,
+        num_speculative_blocks=(
+            vllm_config.speculative_config.num_speculative_tokens
+            if vllm_config.speculative_config
+            else 0
+        ),
+    )
+
+
+def build_kv_cache_specs(vllm_config: VllmConfig) -> dict[str, Any]:
+    """layer name -> KVCacheSpec, as the runner's ``get_kv_cache_spec`` would report (subst. 1)."""
+    plans = layer_plan(vllm_config)
+    kinds = {p.kind for p in plans}
+    specs = {
+        "attention": _attention_spec(vllm_config) if "attention" in kinds else None,
+        "sliding": _attention_spec(vllm_config, vllm_config.model_config.hf_config.sliding_window)
+        if "sliding" in kinds
+        else None,
+        "mamba": _mamba_spec(vllm_config) if "mamba" in kinds else None,
+    }
+    return {p.layer_name: specs[p.kind] for p in plans}
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass
+class AttentionLayerView:
+    layer_name: str
+    group_index: int
+    layer_index: int
+    kv: torch.Tensor  # [num_kernel_blocks, 2, local_kv_heads, kernel_block_tokens, head_size]
+    global_heads: list[int]
+
+
+@dataclass
+class MambaLayerView:
+    layer_name: str
+    group_index: int
+    layer_index: int
+    conv: torch.Tensor  # [num_logical_blocks, conv_dim_local, conv_rows]  (DS)
+    ssm: torch.Tensor  # [num_logical_blocks, *ssm_state_shape_local]
+
+
+@dataclass
+class EngineLayout:
+    vllm_config: Any
+    kv_cache_config: KVCacheConfig
+    kv_caches: dict[str, Any]  # what the GPU runner passes to connector.register_kv_caches
+    attention: list[AttentionLayerView]
+    mamba: list[MambaLayerView]
+    logical_block_tokens: int
+    kernel_block_tokens: int
+    physical_per_logical: int
+    # extras
+    tp_rank: int = 0
+    tp_size: int = 1
+    kernel_block_sizes: list[int] = field(default_factory=list)  # per KV cache group
+    raw_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> int8 buffer
+    kv_cache_layout: str = ""  # "HND" / "NHD" as get_kv_cache_layout() answered
+
+    @property
+    def num_logical_blocks(self) -> int:
+        return self.kv_cache_config.num_blocks
+
+
+class _RunnerStandIn:
+    """The attributes ``GPUModelRunner``'s KV-allocation methods read; its methods (subst. 3)."""
+
+    def __init__(self, vllm_config, kv_cache_config, attn_groups):
+        import torch
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        self.vllm_config = vllm_config
+        self.cache_config = vllm_config.cache_config
+        self.kv_cache_config = kv_cache_config
+        self.attn_groups = attn_groups
+        self.runner_only_attn_layers: set[str] = set()
+        self.device = torch.device("cpu")
+        cls = GPUModelRunner
+        self._allocate_kv_cache_tensors = cls._allocate_kv_cache_tensors.__get__(self)
+        self._kv_cache_spec_attn_group_iterator = cls._kv_cache_spec_attn_group_iterator.__get__(
+            self
+        )
+        self._reshape_kv_cache_tensors = cls._reshape_kv_cache_tensors.__get__(self)
+        self._update_hybrid_attention_mamba_layout = (
+            cls._update_hybrid_attention_mamba_layout.__get__(self)
+        )
+
+
+def _global_heads(total_kv_heads: int, tp_size: int, tp_rank: int, local: int) -> list[int]:
+    # QKVParallelLinear: num_kv_head_replicas = tp_size // total when tp_size >= total;
+    # the rank loads KV shard tp_rank // replicas of size `local` heads.
+    if tp_size >= total_kv_heads:
+        replicas = tp_size // total_kv_heads
+        shard = tp_rank // replicas
+    else:
+        shard = tp_rank
+    return list(range(shard * local, shard * local + local))
+
+
+def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
+    """Allocate and shape TP rank ``tp_rank``'s KV cache in CPU memory, the GPU runner's way."""
+    import copy
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+    from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+
+    cc = vllm_config.cache_config
+    pc = vllm_config.parallel_config
+    _require(0 <= tp_rank < pc.tensor_parallel_size)
+    if cc.num_gpu_blocks_override is None:
+        raise ValueError("set cache_config.num_gpu_blocks_override (num_gpu_blocks)")
+    if vllm_config.model_config.is_hybrid:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+        if not is_conv_state_dim_first():
+            raise RuntimeError("set VLLM_SSM_CONV_STATE_LAYOUT=DS before importing vLLM")
+
+    ktc = vllm_config.kv_transfer_config
+    extra = (ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+    if str(extra.get("enable_cross_layers_blocks", "False")).lower() == "true":
+        # GPUModelRunner.initialize_kv_cache_tensors would take allocate_uniform_kv_caches
+        # for a single-group model; that path is not reproduced here.
+        raise NotImplementedError("enable_cross_layers_blocks (uniform KV cache) layout")
+
+    specs = build_kv_cache_specs(vllm_config)
+    plans = {p.layer_name: p for p in layer_plan(vllm_config)}
+    attn_backend = _attention_backend_cls()
+
+    with set_current_vllm_config(vllm_config):
+        # Any bytes figure: with num_gpu_blocks_override set vLLM replaces it by
+        # override * bytes-per-block.
+        kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [1 << 40])[0]
+        # The runner works on a deep copy (GPUModelRunner.initialize_kv_cache).
+        kv_cache_config = copy.deepcopy(kv_cache_config)
+
+        # GPUModelRunner.initialize_attn_backend: one AttentionGroup per (backend, spec) per
+        # KV cache group; every layer in a group here has the same backend and spec.
+        attn_groups: list[list[Any]] = []
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if isinstance(spec, AttentionSpec):
+                backend = attn_backend
+            elif isinstance(spec, MambaSpec):
+                backend = spec.mamba_type.get_class()
+            else:
+                raise NotImplementedError(type(spec).__name__)
+            attn_groups.append([AttentionGroup(backend, list(group.layer_names), spec, gid)])
+        kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
+
+        runner = _RunnerStandIn(vllm_config, kv_cache_config, attn_groups)
+        get_kv_cache_layout.cache_clear()  # substitution 5
+        kv_cache_layout = get_kv_cache_layout()
+        raw = runner._allocate_kv_cache_tensors(kv_cache_config)
+        kv_caches = runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
+
+    total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    attention: list[AttentionLayerView] = []
+    mamba: list[MambaLayerView] = []
+    attn_kernel_sizes: set[int] = set()
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            plan = plans[name]
+            t = kv_caches[name]
+            if isinstance(spec, AttentionSpec):
+                attn_kernel_sizes.add(kernel_block_sizes[gid])
+                # FlashInfer's semantic shape (num_blocks, 2, block, heads, head_size)
+                # whatever the physical stride order; we expose heads before tokens.
+                shape = attn_backend.get_kv_cache_shape(
+                    t.shape[0], kernel_block_sizes[gid], spec.num_kv_heads, spec.head_size
+                )
+                _require(tuple(t.shape) == tuple(shape), (t.shape, shape))
+                kv = t.permute(0, 1, 3, 2, 4)
+                attention.append(
+                    AttentionLayerView(
+                        layer_name=name,
+                        group_index=gid,
+                        layer_index=plan.layer_index,
+                        kv=kv,
+                        global_heads=_global_heads(
+                            total_kv_heads, pc.tensor_parallel_size, tp_rank, spec.num_kv_heads
+                        ),
+                    )
+                )
+            else:
+                conv, ssm = t
+                mamba.append(
+                    MambaLayerView(
+                        layer_name=name,
+                        group_index=gid,
+                        layer_index=plan.layer_index,
+                        conv=conv,
+                        ssm=ssm,
+                    )
+                )
+    attention.sort(key=lambda v: v.layer_index)
+    mamba.sort(key=lambda v: v.layer_index)
+    _require(len(attn_kernel_sizes) <= 1, attn_kernel_sizes)
+    logical = cc.block_size
+    kernel = attn_kernel_sizes.pop() if attn_kernel_sizes else logical
+    _require(logical % kernel == 0)
+    return EngineLayout(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        kv_caches=kv_caches,
+        attention=attention,
+        mamba=mamba,
+        logical_block_tokens=logical,
+        kernel_block_tokens=kernel,
+        physical_per_logical=logical // kernel,
+        tp_rank=tp_rank,
+        tp_size=pc.tensor_parallel_size,
+        kernel_block_sizes=list(kernel_block_sizes),
+        raw_tensors=raw,
+        kv_cache_layout=kv_cache_layout,
+    )
+
+
+# --------------------------------------------------------------------------- self-check
+
+
+def _same_size_int(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _fill_ones_bytes(t: torch.Tensor) -> None:
+    """Set every byte of the elements of view ``t`` to 0x01."""
+    n = t.element_size()
+    _same_size_int(t).fill_(int.from_bytes(b"\x01" * n, "little"))
+
+
+def _byte_extent(view: torch.Tensor, base: torch.Tensor) -> tuple[int, int]:
+    """[first, last] byte offset (relative to ``base``) that ``view`` can address."""
+    es = view.element_size()
+    lo = view.data_ptr() - base.data_ptr()
+    hi = (
+        lo
+        + es * sum((s - 1) * st for s, st in zip(view.shape, view.stride(), strict=True))
+        + es
+        - 1
+    )
+    return lo, hi
+
+
+def verify_layout(layout: EngineLayout, blocks: list[int] | None = None) -> dict[str, Any]:
+    """Check that the views alias the runner's shared buffers as the runner intends.
+
+    For every ``KVCacheTensor``: all views of the layers sharing it live in that one buffer and
+    stay within it; page ``L`` of the buffer is exactly attention kernel blocks ``L*r..L*r+r-1``
+    of every attention layer on it, and starts with Mamba block ``L``'s conv then SSM state of
+    every Mamba layer on it. Writes are checked byte-exactly through the int8 buffer and across
+    views. Zeroes the buffers it touches. Returns a few numbers for printing.
+    """
+    import torch
+
+    kcc = layout.kv_cache_config
+    n = kcc.num_blocks
+    r = layout.physical_per_logical
+    attn_by_name = {v.layer_name: v for v in layout.attention}
+    mamba_by_name = {v.layer_name: v for v in layout.mamba}
+    blocks = blocks if blocks is not None else sorted({0, 1, n // 2, n - 1})
+    out: dict[str, Any] = {"tensors": len(kcc.kv_cache_tensors), "page_bytes": set()}
+    for kt in kcc.kv_cache_tensors:
+        raw = layout.raw_tensors[kt.shared_by[0]]
+        _require(raw.dtype == torch.int8 and raw.numel() == kt.size)
+        _require(kt.size % n == 0)
+        page = kt.size // n
+        out["page_bytes"].add(page)
+        for name in kt.shared_by:
+            _require(layout.raw_tensors[name] is raw)
+            t = layout.kv_caches[name]
+            parts = t if isinstance(t, list) else [t]
+            for p in parts:  # same storage as the raw buffer, within it  (a, b)
+                _require(p.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr())
+                lo, hi = _byte_extent(p, raw)
+                _require(0 <= lo and hi < kt.size, (name, lo, hi, kt.size))
+            if name in attn_by_name:
+                v = attn_by_name[name]
+                _require(v.kv.shape[0] == n * r)
+                # attention fills the whole buffer
+                _require(v.kv.numel() * v.kv.element_size() == kt.size, name)
+                _require(v.kv.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr())
+            if name in mamba_by_name:
+                v = mamba_by_name[name]
+                _require(v.conv.shape[0] == n and v.ssm.shape[0] == n)
+                per_block = (
+                    v.conv[0].numel() * v.conv.element_size()
+                    + v.ssm[0].numel() * v.ssm.element_size()
+                )
+                _require(per_block <= page)
+                total = (
+                    v.conv.numel() * v.conv.element_size() + v.ssm.numel() * v.ssm.element_size()
+                )
+                _require(total <= kt.size, name, total, kt.size)
+        # byte-exact write checks
+        for L in blocks:
+            expect = torch.zeros(kt.size, dtype=torch.bool)
+            expect[L * page : (L + 1) * page] = True
+            for name in kt.shared_by:
+                if name in attn_by_name:
+                    v = attn_by_name[name]
+                    raw.zero_()
+                    _fill_ones_bytes(v.kv[L * r : (L + 1) * r])
+                    got = raw == 1
+                    _require(torch.equal(got, expect), (name, L, "attention page"))
+                    _require(int((raw != 0).sum()) == page)
+                    # visible through the runner's own tensor
+                    _require(
+                        bool(
+                            (_same_size_int(layout.kv_caches[name][L * r : (L + 1) * r]) != 0).all()
+                        )
+                    )
+                if name in mamba_by_name:
+                    v = mamba_by_name[name]
+                    cb = v.conv[0].numel() * v.conv.element_size()
+                    sb = v.ssm[0].numel() * v.ssm.element_size()
+                    raw.zero_()
+                    _fill_ones_bytes(v.conv[L])
+                    e = torch.zeros(kt.size, dtype=torch.bool)
+                    e[L * page : L * page + cb] = True
+                    _require(torch.equal(raw == 1, e), (name, L, "conv"))
+                    raw.zero_()
+                    _fill_ones_bytes(v.ssm[L])
+                    e = torch.zeros(kt.size, dtype=torch.bool)
+                    e[L * page + cb : L * page + cb + sb] = True
+                    _require(torch.equal(raw == 1, e), (name, L, "ssm"))
+                    # the runner's list holds the same views' memory
+                    conv_r, ssm_r = layout.kv_caches[name]
+                    _require(bool((_same_size_int(ssm_r[L]) != 0).all()))
+                    # ... and an attention layer on the same tensor sees it in its block L
+                    for other in kt.shared_by:
+                        if other in attn_by_name:
+                            a = attn_by_name[other].kv[L * r : (L + 1) * r]
+                            _require(bool((_same_size_int(a) != 0).any()), (other, L))
+                            if L + 1 < n:
+                                a2 = attn_by_name[other].kv[(L + 1) * r : (L + 2) * r]
+                                _require(not bool((_same_size_int(a2) != 0).any()))
+        raw.zero_()
+    out["page_bytes"] = sorted(out["page_bytes"])
+    return out

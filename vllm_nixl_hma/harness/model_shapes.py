@@ -1,0 +1,98 @@
+"""The embedded model shapes the check runs on, and Mamba parameters of HF configs.
+
+Synthetic ``config.json`` contents (no weights, no downloads), small enough
+for a 2-core machine yet shaped like the real families where it matters:
+one KV head (replicated across TP ranks) and Mamba state sharded by TP, so
+that prefill and decode with different TP get different kernel-per-logical
+ratios, as Qwen3.5 and Nemotron-H do at real sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vllm_nixl_hma import mamba_conv
+
+_COMMON = {
+    "vocab_size": 256,
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+#: layout name -> HF config.json content
+LAYOUTS: dict[str, dict[str, Any]] = {
+    # Full attention only, KV heads split across TP ranks.
+    "dense": {
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
+    # Full attention + sliding window: two HMA groups sharing pages.
+    "swa": {
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 40,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # Attention + Mamba2 (Bamba), 2 SSM groups, 1 KV head: the Mamba page
+    # per rank halves with each doubling of TP, the attention page does not.
+    # Kernel block 16 and ratio 5 at TP 1, 3 at TP 2 (1 with kernel 32 at TP 4).
+    "hybrid": {
+        **_COMMON,
+        "architectures": ["BambaForCausalLM"],
+        "model_type": "bamba",
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "attn_layer_indices": [1, 3],
+        "mamba_n_heads": 16,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 64,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+    },
+}
+# granite-4.0-h-like: one SSM group, replicated on every rank when TP > 1
+# (design.md section 8). Kernel block 16; ratio 9 at TP 1, 5 at TP 2, 3 at TP 4.
+LAYOUTS["hybrid-1group"] = {**LAYOUTS["hybrid"], "mamba_n_groups": 1, "mamba_d_state": 32}
+
+
+def conv_and_ssm_ids(hf_config: Any, tp_size: int, tp_rank: int):
+    """Global ids of this rank's conv channels and SSM heads."""
+    params = mamba_conv.mamba2_params(hf_config)
+    if params is None:
+        raise ValueError(f"{type(hf_config).__name__} has no Mamba2 dimensions the check knows")
+    conv_ids = mamba_conv.conv_channel_ids(
+        params.intermediate_size,
+        params.n_groups,
+        params.d_state,
+        params.num_heads,
+        tp_size,
+        tp_rank,
+    )
+    ssm_ids = mamba_conv.ssm_head_ids(params.num_heads, tp_size, tp_rank)
+    return np.asarray(conv_ids), np.asarray(ssm_ids)

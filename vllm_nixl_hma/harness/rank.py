@@ -1,0 +1,350 @@
+"""One TP rank of a prefill or decode engine, in its own process.
+
+A rank process imports vLLM once and then serves commands from the
+coordinator over a pipe, so it can play several engines one after another
+(the matrix reuses processes across cells instead of paying vLLM's import
+each time). For each engine it builds the KV cache with vLLM's own layout
+code, joins a gloo process group with the engine's other ranks, builds the
+real connector worker (ours or stock) and registers the cache with NIXL.
+All traffic is on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+POLL_SECONDS = 0.0005
+
+# The pipe to the coordinator, for commands that watch for "abort" while they run.
+_CONNECTION = None
+
+
+@dataclass
+class EngineSpec:
+    role: str  # "prefill" or "decode"
+    engine_id: str
+    connector: str  # "NixlHMAConnector" or "NixlConnector"
+    model_dir: str
+    tp_size: int
+    tp_rank: int
+    dist_port: int
+    side_channel_port: int
+    num_gpu_blocks: int
+    max_model_len: int
+    device: str = "cpu"
+
+
+class RankEngine:
+    """The state of one rank while it plays one engine."""
+
+    def __init__(self, spec: EngineSpec):
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+        from vllm_nixl_hma.harness import layout as layout_module
+        from vllm_nixl_hma.harness.cpu_platform import substitute_for_cpu
+
+        self.spec = spec
+        kv_role = "kv_producer" if spec.role == "prefill" else "kv_consumer"
+        self.vllm_config = layout_module.build_vllm_config(
+            spec.model_dir,
+            spec.tp_size,
+            spec.connector,
+            spec.engine_id,
+            kv_role,
+            spec.num_gpu_blocks,
+            spec.max_model_len,
+        )
+        self.layout = layout_module.build_engine_layout(self.vllm_config, spec.tp_rank)
+        if spec.device == "cpu":
+            from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+            substitute_for_cpu(FlashInferBackend)
+        with set_current_vllm_config(self.vllm_config):
+            init_distributed_environment(
+                world_size=spec.tp_size,
+                rank=spec.tp_rank,
+                distributed_init_method=f"tcp://127.0.0.1:{spec.dist_port}",
+                local_rank=spec.tp_rank,
+                backend="gloo",
+            )
+            initialize_model_parallel(tensor_model_parallel_size=spec.tp_size)
+            self.worker = self._worker_class()(
+                self.vllm_config, spec.engine_id, self.layout.kv_cache_config
+            )
+            self.worker.register_kv_caches(self.layout.kv_caches)
+        self.scheduler = None
+
+    def _worker_class(self):
+        if self.spec.connector == "NixlHMAConnector":
+            from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+
+            return NixlHMAConnectorWorker
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
+            NixlConnectorWorker,
+        )
+
+        return NixlConnectorWorker
+
+    def describe(self) -> dict[str, Any]:
+        from vllm_nixl_hma.worker import group_kinds_of
+
+        layout = self.layout
+        return {
+            "logical_block_tokens": layout.logical_block_tokens,
+            "kernel_block_tokens": layout.kernel_block_tokens,
+            "physical_per_logical": layout.physical_per_logical,
+            "num_logical_blocks": layout.kv_cache_config.num_blocks,
+            "group_kinds": [kind.value for kind in group_kinds_of(layout.kv_cache_config)],
+            "sliding_window_by_group": [
+                getattr(g.kv_cache_spec, "sliding_window", None) or 0
+                for g in layout.kv_cache_config.kv_cache_groups
+            ],
+            "handshake_payload": self.worker.xfer_handshake_metadata,
+        }
+
+    def serve_side_channel(self, payloads: dict[int, Any]) -> None:
+        """Rank 0 of prefill: serve every rank's handshake metadata, as the
+        engine's scheduler-side connector does."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+            NixlConnectorScheduler,
+        )
+
+        self.scheduler = NixlConnectorScheduler(
+            self.vllm_config, self.spec.engine_id, self.layout.kv_cache_config
+        )
+        self.scheduler.set_xfer_handshake_metadata(payloads)
+
+    def shutdown(self) -> None:
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        try:
+            if self.scheduler is not None:
+                self.scheduler.shutdown()
+            self.worker.shutdown()
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+def _views(engine: RankEngine):
+    import numpy as np
+
+    from vllm_nixl_hma.harness import oracle
+    from vllm_nixl_hma.harness.model_shapes import conv_and_ssm_ids
+
+    attention = [
+        oracle.AttentionSlots(
+            layer_index=view.layer_index,
+            group_index=view.group_index,
+            kv=oracle.as_int_view(view.kv),
+            global_heads=np.asarray(view.global_heads),
+        )
+        for view in engine.layout.attention
+    ]
+    mamba = []
+    if engine.layout.mamba:
+        conv_ids, ssm_ids = conv_and_ssm_ids(
+            engine.vllm_config.model_config.hf_config, engine.spec.tp_size, engine.spec.tp_rank
+        )
+        mamba = [
+            oracle.MambaSlots(
+                layer_index=view.layer_index,
+                group_index=view.group_index,
+                conv=oracle.as_int_view(view.conv),
+                ssm=oracle.as_int_view(view.ssm),
+                conv_channel_ids=conv_ids,
+                ssm_head_ids=ssm_ids,
+            )
+            for view in engine.layout.mamba
+        ]
+    return attention, mamba
+
+
+def _pages(engine: RankEngine) -> list:
+    """Every KV tensor of the rank as an int16 [logical block, elements] view
+    of its memory (writes go to the cache)."""
+    import torch
+
+    arrays = []
+    seen: set[int] = set()
+    for cache_or_caches in engine.layout.kv_caches.values():
+        caches = cache_or_caches if isinstance(cache_or_caches, list | tuple) else [cache_or_caches]
+        for cache in caches:
+            storage = cache.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage).view(torch.int16)
+            arrays.append(raw.numpy().reshape(engine.layout.kv_cache_config.num_blocks, -1))
+    return arrays
+
+
+def _requests(payload) -> list:
+    from vllm_nixl_hma.harness.oracle import RequestBlocks
+
+    return [RequestBlocks(**r) for r in payload]
+
+
+def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
+    """Run one command; returns (engine, reply)."""
+    from vllm_nixl_hma.harness import oracle
+
+    if command == "setup":
+        if engine is not None:
+            engine.shutdown()
+        engine = RankEngine(EngineSpec(**args))
+        return engine, engine.describe()
+    if engine is None:
+        raise RuntimeError(f"command {command!r} before setup")
+    if command == "serve_side_channel":
+        engine.serve_side_channel(args["payloads"])
+        return engine, None
+    if command == "fill":
+        attention, mamba = _views(engine)
+        for pages in _pages(engine):
+            oracle.poison(pages)
+        oracle.fill(
+            attention,
+            mamba,
+            _requests(args["requests"]),
+            engine.layout.physical_per_logical,
+            engine.layout.kernel_block_tokens,
+            args["first_logical_index_by_group"],
+        )
+        return engine, None
+    if command == "poison":
+        for pages in _pages(engine):
+            oracle.poison(pages)
+        return engine, None
+    if command == "serve":
+        return engine, _serve(engine, args["request_ids"], args["timeout_s"])
+    if command == "load":
+        return engine, _load(engine, args["requests"], args["timeout_s"])
+    if command == "verify":
+        import numpy as np
+
+        attention, mamba = _views(engine)
+        result = oracle.verify(
+            attention,
+            mamba,
+            _requests(args["requests"]),
+            engine.layout.physical_per_logical,
+            engine.layout.kernel_block_tokens,
+            args["first_logical_index_by_group"],
+            np.stack(_pages(engine)),
+        )
+        return engine, result
+    if command == "teardown":
+        engine.shutdown()
+        return None, None
+    raise ValueError(f"unknown command {command!r}")
+
+
+def _serve(engine: RankEngine, request_ids: list[str], timeout_s: float) -> dict[str, Any]:
+    """Prefill: offer the requests' blocks and wait for decode's notifications."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
+
+    worker = engine.worker
+    metadata = NixlConnectorMetadata()
+    metadata.reqs_in_batch = set(request_ids)
+    # Expiry past our own deadline: a request counts as served only when notified.
+    metadata.reqs_to_send = {rid: time.perf_counter() + 10 * timeout_s for rid in request_ids}
+    worker.start_load_kv(metadata)
+    notified: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    aborted = False
+    while notified != set(request_ids) and time.monotonic() < deadline:
+        done_sending, _ = worker.get_finished()
+        notified |= done_sending
+        if _CONNECTION is not None and _CONNECTION.poll():
+            command, _ = _CONNECTION.recv()
+            if command == "abort":  # decode is done (or failed): stop waiting
+                aborted = True
+                break
+        time.sleep(POLL_SECONDS)
+    return {"notified": sorted(notified), "aborted": aborted}
+
+
+def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    """Decode: read every request through the connector; count what moved."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
+
+    worker = engine.worker
+    stats = worker.xfer_stats
+    stats.reset()
+    metadata = NixlConnectorMetadata()
+    for request in requests:
+        metadata.add_new_req_to_recv(
+            request_id=request["request_id"],
+            local_block_ids=request["local_logical_ids_by_group"],
+            kv_transfer_params=request["kv_transfer_params"],
+        )
+    start = time.perf_counter()
+    done: set[str] = set()
+    wanted = {r["request_id"] for r in requests}
+    deadline = time.monotonic() + timeout_s
+    worker.start_load_kv(metadata)
+    while done != wanted and time.monotonic() < deadline:
+        worker.start_load_kv(NixlConnectorMetadata())
+        _, done_recving = worker.get_finished()
+        done |= done_recving
+        time.sleep(POLL_SECONDS)
+    seconds = time.perf_counter() - start
+    data = stats.data
+    return {
+        "done": sorted(done),
+        "seconds": seconds,
+        "bytes": int(sum(data["bytes_transferred"])),
+        "descriptors": int(sum(data["num_descriptors"])),
+        "failed_transfers": len(data["num_failed_transfers"]),
+    }
+
+
+def rank_main(connection) -> None:
+    """Process entry point: serve commands until "exit" or the pipe closes.
+
+    Every command gets exactly one reply, except "abort", which only ends a
+    running "serve" and is ignored (no reply) when none is running.
+    """
+    global _CONNECTION
+    _CONNECTION = connection
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    import vllm  # noqa: F401  (pay the import once, up front)
+
+    from vllm_nixl_hma import plugin
+
+    plugin.register()
+    connection.send(("ready", None))
+    engine = None
+    while True:
+        try:
+            command, args = connection.recv()
+        except EOFError:
+            break
+        if command == "exit":
+            break
+        if command == "abort":
+            continue
+        try:
+            engine, reply = handle(engine, command, args)
+            connection.send(("ok", reply))
+        except Exception as e:  # reported to the coordinator, which owns the verdict
+            connection.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    if engine is not None:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: S110 - exiting anyway
+            pass

@@ -150,6 +150,12 @@ def run_check(args: argparse.Namespace) -> int:
         return ExitCode.USAGE_ERROR
     from vllm_nixl_hma.harness.coordinator import run_cells
 
+    # vLLM logs to stdout, in this process and in the rank processes that
+    # inherit its descriptors: point fd 1 at stderr and keep the real stdout
+    # for the one JSON object.
+    sys.stdout.flush()
+    json_stream = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm-nixl-hma-check-") as workdir:
         cells = _cells(args, Path(workdir))
@@ -161,7 +167,8 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"[check] {time.perf_counter() - started:.1f} s", file=sys.stderr)
     ok = bool(results) and all(r.ok for r in results)
     if args.json:
-        print(json.dumps({"ok": ok, "scenarios": [r.as_json() for r in results]}))
+        print(json.dumps({"ok": ok, "scenarios": [r.as_json() for r in results]}), file=json_stream)
+    json_stream.close()
     if not any(r.slots_checked for r in results):
         return ExitCode.NOTHING_RAN
     return ExitCode.OK if ok else ExitCode.MISMATCHES

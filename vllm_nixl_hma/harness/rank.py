@@ -15,6 +15,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 POLL_SECONDS = 0.0005
@@ -311,6 +312,17 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
     }
 
 
+def _summary(error: Exception) -> str:
+    """One line: the message, or where a bare assert fired."""
+    if str(error):
+        return f"{type(error).__name__}: {error}"
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return (
+        f"{type(error).__name__} at {Path(frame.filename).name}:{frame.lineno}: "
+        f"{(frame.line or '').strip()}"
+    )
+
+
 def rank_main(connection) -> None:
     """Process entry point: serve commands until "exit" or the pipe closes.
 
@@ -342,7 +354,7 @@ def rank_main(connection) -> None:
             engine, reply = handle(engine, command, args)
             connection.send(("ok", reply))
         except Exception as e:  # reported to the coordinator, which owns the verdict
-            connection.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            connection.send(("error", f"{_summary(e)}\n{traceback.format_exc()}"))
     if engine is not None:
         try:
             engine.shutdown()

@@ -1,0 +1,42 @@
+"""``vllm-nixl-hma``'s command line: fast help, usage errors, the table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from vllm_nixl_hma.cli import ExitCode, main, render_table
+from vllm_nixl_hma.harness.coordinator import ScenarioResult
+
+
+def test_help_is_instant_and_imports_no_vllm():
+    script = (
+        "import sys; from vllm_nixl_hma.cli import main\n"
+        "try:\n    main(['check', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('vllm' in sys.modules)"
+    )
+    started = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.strip().endswith("False")
+    assert "--model-config" in out and "--json" in out
+    assert time.perf_counter() - started < 10
+
+
+def test_usage_errors_exit_4():
+    assert main(["check", "--connector", "Nope"]) == ExitCode.USAGE_ERROR
+    assert main(["frobnicate"]) == ExitCode.USAGE_ERROR
+
+
+def test_table_lists_failures_and_counts():
+    good = ScenarioResult("mid-block", 1, 2, "hybrid", 3, 5, 3, 1000, 0, 2**20, 10, 0.5)
+    bad = ScenarioResult("boundary", 2, 1, "hybrid", 5, 3, 3, 1000, 7, 2**20, 10, 0.5)
+    bad.examples = ["req 0 layer 1 kernel block 4: 7 wrong"]
+    table = render_table([good, bad])
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["scenario", "P_TP", "D_TP", "layout"]
+    assert "FAILED boundary P_TP=2 D_TP=1 hybrid: 7 mismatched slots" in table
+    assert "req 0 layer 1 kernel block 4: 7 wrong" in table
+    assert lines[-1] == "1 passed, 1 failed"

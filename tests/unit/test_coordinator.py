@@ -1,0 +1,48 @@
+"""Pure parts of the harness coordinator: block allocation and prompt lengths."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from vllm_nixl_hma.harness.coordinator import Scenario, ScenarioResult, allocate
+
+INFO = {
+    "num_logical_blocks": 64,
+    "logical_block_tokens": 80,
+    "group_kinds": ["mamba", "full_attention", "sliding_window"],
+    "sliding_window_by_group": [0, 0, 100],
+}
+
+
+def test_allocation_follows_the_scheduler_rules():
+    blocks = allocate(INFO, [5, 400], random.Random(0))
+    short, long = blocks
+    assert [len(g) for g in short.logical_ids_by_group] == [1, 1, 1]
+    # 400 tokens: 5 logical blocks; window 100 keeps cdiv(100, 80) + 1 = 3 trailing ones
+    assert [len(g) for g in long.logical_ids_by_group] == [1, 5, 3]
+    assert long.first_logical_index_by_group == [0, 0, 2]
+    every_id = [i for b in blocks for g in b.logical_ids_by_group for i in g]
+    assert len(every_id) == len(set(every_id)) and 0 not in every_id  # one pool, no null block
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(80, 48), (48, 80), (144, 144), (16, 16)])
+def test_mid_block_prompts_end_inside_a_block_on_both_sides(prefill, decode):
+    for tokens in Scenario("mid-block").prompt_tokens(prefill, decode):
+        assert tokens % prefill and tokens % decode
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(80, 48), (48, 80), (144, 80)])
+def test_boundary_prompts_end_on_a_block_boundary(prefill, decode):
+    tokens = Scenario("boundary").prompt_tokens(prefill, decode)
+    assert tokens[0] % decode == 0 and tokens[1] % prefill == 0
+    assert any(t % math.lcm(prefill, decode) == 0 for t in tokens) or max(prefill, decode) in tokens
+
+
+def test_a_result_that_checked_nothing_is_not_ok():
+    assert not ScenarioResult("x", 1, 1, "dense").ok
+    assert ScenarioResult("x", 1, 1, "dense", slots_checked=10).ok
+    assert not ScenarioResult("x", 1, 1, "dense", slots_checked=10, mismatched_slots=1).ok
+    assert not ScenarioResult("x", 1, 1, "dense", slots_checked=10, error="boom").ok

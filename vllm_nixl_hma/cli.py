@@ -94,6 +94,7 @@ def _cells(args: argparse.Namespace, workdir: Path):
             d_tp=d_tp,
             connector=args.connector,
             scenarios=[Scenario(s) for s in SCENARIOS],
+            device=args.device,
         )
         for name, model_dir in model_dirs.items()
         for p_tp, d_tp in tp_pairs
@@ -145,9 +146,12 @@ def run_check(args: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
-    if args.device != "cpu":
-        print("--device cuda: not supported yet; run without it", file=sys.stderr)
-        return ExitCode.USAGE_ERROR
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA device is visible", file=sys.stderr)
+            return ExitCode.USAGE_ERROR
     from vllm_nixl_hma.harness.coordinator import run_cells
 
     # vLLM logs to stdout, in this process and in the rank processes that

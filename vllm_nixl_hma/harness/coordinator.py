@@ -62,6 +62,7 @@ class Cell:
     scenarios: list[Scenario]
     num_gpu_blocks: int = 256
     max_model_len: int = 512
+    device: str = "cpu"
 
 
 @dataclass
@@ -222,6 +223,7 @@ def run_cell(
                     "side_channel_port": side_channel_port if role == "prefill" else free_port(),
                     "num_gpu_blocks": cell.num_gpu_blocks,
                     "max_model_len": cell.max_model_len,
+                    "device": cell.device,
                 },
             )
     try:

@@ -113,6 +113,7 @@ def build_vllm_config(
     max_model_len: int,
     enable_prefix_caching: bool = False,
     trust_remote_code: bool | None = None,
+    device: str = "cpu",
 ) -> VllmConfig:
     """A ``VllmConfig`` for one engine of TP ``tp_size``, with the block sizes a GPU worker sets.
 
@@ -152,14 +153,14 @@ def build_vllm_config(
             num_gpu_blocks_override=num_gpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
         ),
-        device_config=DeviceConfig("cpu"),
+        device_config=DeviceConfig(device),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         scheduler_config=SchedulerConfig.default_factory(max_model_len=max_model_len),
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
             kv_role=kv_role,
             engine_id=engine_id,
-            kv_buffer_device="cpu",
+            kv_buffer_device=device,
         ),
     )
     # Substitution 4: CPU forces HMA off; the GPU engines we stand in for run with it on.
@@ -332,7 +333,10 @@ class _RunnerStandIn:
         self.kv_cache_config = kv_cache_config
         self.attn_groups = attn_groups
         self.runner_only_attn_layers: set[str] = set()
-        self.device = torch.device("cpu")
+        if vllm_config.kv_transfer_config.kv_buffer_device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
         cls = GPUModelRunner
         self._allocate_kv_cache_tensors = cls._allocate_kv_cache_tensors.__get__(self)
         self._kv_cache_spec_attn_group_iterator = cls._kv_cache_spec_attn_group_iterator.__get__(

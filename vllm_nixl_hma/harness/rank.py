@@ -61,8 +61,14 @@ class RankEngine:
             kv_role,
             spec.num_gpu_blocks,
             spec.max_model_len,
+            device=spec.device,
         )
+        if spec.device == "cuda":
+            import torch
+
+            torch.cuda.set_device(spec.tp_rank % torch.cuda.device_count())
         self.layout = layout_module.build_engine_layout(self.vllm_config, spec.tp_rank)
+        self.mirror = HostMirror(self.layout.kv_caches) if spec.device == "cuda" else None
         if spec.device == "cpu":
             from vllm.v1.attention.backends.flashinfer import FlashInferBackend
 
@@ -134,6 +140,58 @@ class RankEngine:
             destroy_distributed_environment()
 
 
+class HostMirror:
+    """Host copies of a device rank's KV buffers, for the oracle (numpy) to
+    read and write; views are rebuilt on the copies with the device views'
+    offsets and strides, so the oracle sees the same slots."""
+
+    def __init__(self, kv_caches: dict[str, Any]):
+        import torch
+
+        self.device_bytes: dict[int, Any] = {}
+        self.host_bytes: dict[int, Any] = {}
+        for tensor in _flat_tensors(kv_caches):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in self.device_bytes:
+                continue
+            device_bytes = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+            self.device_bytes[storage.data_ptr()] = device_bytes
+            self.host_bytes[storage.data_ptr()] = torch.empty(
+                device_bytes.numel(), dtype=torch.uint8
+            )
+
+    def host_view(self, tensor):
+        import torch
+
+        host = self.host_bytes[tensor.untyped_storage().data_ptr()]
+        return torch.empty(0, dtype=tensor.dtype).set_(
+            host.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+        )
+
+    def pull(self) -> None:
+        for key, device_bytes in self.device_bytes.items():
+            self.host_bytes[key].copy_(device_bytes)
+
+    def push(self) -> None:
+        for key, device_bytes in self.device_bytes.items():
+            device_bytes.copy_(self.host_bytes[key])
+
+
+def _flat_tensors(kv_caches: dict[str, Any]) -> list:
+    tensors = []
+    for cache_or_caches in kv_caches.values():
+        if isinstance(cache_or_caches, list | tuple):
+            tensors.extend(cache_or_caches)
+        else:
+            tensors.append(cache_or_caches)
+    return tensors
+
+
+def _host(engine: RankEngine, tensor):
+    """The tensor itself on CPU; its host-mirror view for a device rank."""
+    return tensor if engine.mirror is None else engine.mirror.host_view(tensor)
+
+
 def _views(engine: RankEngine):
     import numpy as np
 
@@ -144,7 +202,7 @@ def _views(engine: RankEngine):
         oracle.AttentionSlots(
             layer_index=view.layer_index,
             group_index=view.group_index,
-            kv=oracle.as_int_view(view.kv),
+            kv=oracle.as_int_view(_host(engine, view.kv)),
             global_heads=np.asarray(view.global_heads),
         )
         for view in engine.layout.attention
@@ -158,8 +216,8 @@ def _views(engine: RankEngine):
             oracle.MambaSlots(
                 layer_index=view.layer_index,
                 group_index=view.group_index,
-                conv=oracle.as_int_view(view.conv),
-                ssm=oracle.as_int_view(view.ssm),
+                conv=oracle.as_int_view(_host(engine, view.conv)),
+                ssm=oracle.as_int_view(_host(engine, view.ssm)),
                 conv_channel_ids=conv_ids,
                 ssm_head_ids=ssm_ids,
             )
@@ -169,21 +227,24 @@ def _views(engine: RankEngine):
 
 
 def _pages(engine: RankEngine) -> list:
-    """Every KV tensor of the rank as an int16 [logical block, elements] view
-    of its memory (writes go to the cache)."""
+    """Every KV buffer of the rank as an int16 [logical block, elements] view
+    of its (host) memory: writes go to the cache, or to its host mirror."""
     import torch
 
     arrays = []
     seen: set[int] = set()
-    for cache_or_caches in engine.layout.kv_caches.values():
-        caches = cache_or_caches if isinstance(cache_or_caches, list | tuple) else [cache_or_caches]
-        for cache in caches:
-            storage = cache.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            raw = torch.empty(0, dtype=torch.uint8).set_(storage).view(torch.int16)
-            arrays.append(raw.numpy().reshape(engine.layout.kv_cache_config.num_blocks, -1))
+    for tensor in _flat_tensors(engine.layout.kv_caches):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        if engine.mirror is None:
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+        else:
+            raw = engine.mirror.host_bytes[storage.data_ptr()]
+        arrays.append(
+            raw.view(torch.int16).numpy().reshape(engine.layout.kv_cache_config.num_blocks, -1)
+        )
     return arrays
 
 
@@ -219,10 +280,14 @@ def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
             engine.layout.kernel_block_tokens,
             args["first_logical_index_by_group"],
         )
+        if engine.mirror is not None:
+            engine.mirror.push()
         return engine, None
     if command == "poison":
         for pages in _pages(engine):
             oracle.poison(pages)
+        if engine.mirror is not None:
+            engine.mirror.push()
         return engine, None
     if command == "serve":
         return engine, _serve(engine, args["request_ids"], args["timeout_s"])
@@ -231,6 +296,8 @@ def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
     if command == "verify":
         import numpy as np
 
+        if engine.mirror is not None:
+            engine.mirror.pull()
         attention, mamba = _views(engine)
         result = oracle.verify(
             attention,

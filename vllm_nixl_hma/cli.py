@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where KV caches live"
     )
+    check.add_argument(
+        "--faults",
+        action="store_true",
+        help="also inject faults (stock prefill, dead side channel, mismatched layout) "
+        "and report how decode handles them",
+    )
     return parser
 
 
@@ -118,16 +124,30 @@ COLUMNS = (
 )
 
 
-def render_table(results) -> str:
-    lines = [" ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w, _) in enumerate(COLUMNS))]
-    for result in results:
-        cells = []
-        for i, (_, width, value) in enumerate(COLUMNS):
-            text = str(value(result))
-            cells.append(f"{text:>{width}}" if i else f"{text:<{width}}")
-        lines.append(" ".join(cells))
+def render_rows(columns, rows) -> list[str]:
+    """A fixed-width table: first column left-aligned, the others right-aligned."""
+
+    def line(cells) -> str:
+        return " ".join(
+            f"{text:>{width}}" if i else f"{text:<{width}}"
+            for i, (text, (_, width, _)) in enumerate(zip(cells, columns, strict=True))
+        )
+
+    return [line(header for header, _, _ in columns)] + [
+        line(str(value(row)) for _, _, value in columns) for row in rows
+    ]
+
+
+def render_table(results, faults=()) -> str:
+    lines = render_rows(COLUMNS, results)
     failed = [r for r in results if not r.ok]
-    if failed:
+    if faults:
+        from vllm_nixl_hma.harness.faults import FAULT_COLUMNS
+
+        lines.append("")
+        lines.extend(render_rows(FAULT_COLUMNS, faults))
+    failed_faults = [f for f in faults if not f.ok]
+    if failed or failed_faults:
         lines.append("")
         lines.append("short summary of failing scenarios:")
         for r in failed:
@@ -136,7 +156,15 @@ def render_table(results) -> str:
             )
             lines.append(f"FAILED {r.name} P_TP={r.p_tp} D_TP={r.d_tp} {r.layout}: {reason}")
             lines.extend(f"    {example}" for example in r.examples[:3])
-    lines.append(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+        for f in failed_faults:
+            lines.append(
+                f"FAILED fault {f.name}: {f.requests_failed}/{f.requests} failed, "
+                f"{f.silently_wrong_slots} silently wrong slots, {f.leaked_handles} leaked"
+                + (f" ({f.error})" if f.error else "")
+            )
+    total = len(results) + len(faults)
+    bad = len(failed) + len(failed_faults)
+    lines.append(f"{total - bad} passed, {bad} failed")
     return "\n".join(lines)
 
 
@@ -166,12 +194,21 @@ def run_check(args: argparse.Namespace) -> int:
         if not cells:
             print("no scenario matches the options", file=sys.stderr)
             return ExitCode.USAGE_ERROR
-        results = run_cells(cells, lambda line: print(f"[check] {line}", file=sys.stderr))
-    print(render_table(results), file=sys.stderr)
+        progress = lambda line: print(f"[check] {line}", file=sys.stderr)  # noqa: E731
+        results = run_cells(cells, progress)
+        faults = []
+        if args.faults:
+            from vllm_nixl_hma.harness.faults import FAULTS, run_faults
+
+            faults = run_faults(FAULTS, args.connector, Path(workdir), progress)
+    print(render_table(results, faults), file=sys.stderr)
     print(f"[check] {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    ok = bool(results) and all(r.ok for r in results)
+    ok = bool(results) and all(r.ok for r in results) and all(f.ok for f in faults)
     if args.json:
-        print(json.dumps({"ok": ok, "scenarios": [r.as_json() for r in results]}), file=json_stream)
+        report = {"ok": ok, "scenarios": [r.as_json() for r in results]}
+        if args.faults:
+            report["faults"] = [f.as_json() for f in faults]
+        print(json.dumps(report), file=json_stream)
     json_stream.close()
     if not any(r.slots_checked for r in results):
         return ExitCode.NOTHING_RAN

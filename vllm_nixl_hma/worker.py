@@ -38,6 +38,26 @@ method, and every byte of data movement, is upstream's.
     x and the SSM state are upstream's. Remove when: upstream reads replicated
     groups right.
 
+``register_kv_caches(kv_caches)`` and
+``_nixl_handshake(host, port, remote_tp_size, expected_engine_id)``
+    Why: upstream's decode side classifies the remote's memory with its own
+    local layout and turns several mismatches into bare asserts, some after the
+    remote agent is registered. How: prefill publishes a versioned
+    ``handshake.HandshakeRecord`` beside vLLM's payload fields;
+    ``_nixl_handshake`` (re-implemented from its contract: query each target
+    rank on the side channel, check the compatibility hash and engine id,
+    register the agent) parses the payload in phases and refuses any mismatch,
+    a stock or other-version peer, or malformed metadata with a
+    ``HandshakeError`` before ``add_remote_agent``. Remove when: upstream
+    validates remote layouts itself.
+
+``get_finished()``
+    Why: upstream looks up the remote engine of every finished receive, and a
+    request whose handshake failed names an engine that never registered: a
+    KeyError that takes the decode worker down with one refused prefill engine.
+    How: such requests are taken out first and reported finished (failed)
+    without the lookup. Remove when: upstream tolerates them.
+
 ``_validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)``
     Why: upstream accepts a Mamba hybrid peer with another ratio while prefix
     caching is on, and the mismatch surfaces mid-request. How:
@@ -48,6 +68,8 @@ method, and every byte of data movement, is upstream's.
 from __future__ import annotations
 
 import functools
+import time
+from dataclasses import dataclass
 
 from vllm_nixl_hma._compat import require_supported_vllm
 
@@ -57,8 +79,13 @@ from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
     BlockIds,
     EngineTransferInfo,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
+    worker as upstream_worker_module,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
+    GET_META_MSG,
     NixlAgentMetadata,
+    NixlHandshakePayload,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # noqa: E402
     ReadSpec,
@@ -76,10 +103,22 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from vllm_nixl_hma import blocks, mamba_conv  # noqa: E402
+from vllm_nixl_hma import __version__, blocks, handshake, mamba_conv  # noqa: E402
 from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError  # noqa: E402
 
-__all__ = ["NixlHMAConnectorWorker", "group_kinds_of"]
+__all__ = ["NixlHMAConnectorWorker", "NixlHMAHandshakePayload", "group_kinds_of"]
+
+#: How long decode waits for each side-channel answer (as upstream: 5 s).
+SIDE_CHANNEL_TIMEOUT_MS = 5000
+
+
+@dataclass
+class NixlHMAHandshakePayload(NixlHandshakePayload):
+    """vLLM's payload plus our record. A subclass, so that vLLM's scheduler
+    serves it unchanged; stock decoders ignore the extra field."""
+
+    vllm_nixl_hma: bytes = b""
+
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -332,3 +371,212 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             for read in plan
             if read.p_rank == remote_rank
         }
+
+    def register_kv_caches(self, kv_caches):
+        """vLLM 0.21.0 ``NixlConnectorWorker.register_kv_caches``, then our record.
+
+        Why: decode needs prefill's layout as prefill states it. What changes:
+        after upstream registers the caches and builds its payload, the payload
+        is re-wrapped as ``NixlHMAHandshakePayload`` carrying this worker's
+        ``HandshakeRecord``. Remove when: upstream carries an equivalent.
+        """
+        super().register_kv_caches(kv_caches)
+        self._handshake_record = self._build_handshake_record(kv_caches)
+        payload = self.xfer_handshake_metadata
+        self.xfer_handshake_metadata = NixlHMAHandshakePayload(
+            compatibility_hash=payload.compatibility_hash,
+            agent_metadata_bytes=payload.agent_metadata_bytes,
+            vllm_nixl_hma=handshake.encode_record(self._handshake_record),
+        )
+
+    def _build_handshake_record(self, kv_caches) -> handshake.HandshakeRecord:
+        local_physical_per_logical = self._physical_blocks_per_logical_kv_block
+        groups = [
+            handshake.GroupRecord(
+                kind.value, local_physical_per_logical if kind.is_attention else 1
+            )
+            for kind in self._group_kinds
+        ]
+        # The regions upstream registers, in its order (register_kv_caches).
+        regions_mamba: list[bool] = []
+        seen: set[int] = set()
+        xfer_buffers = self.host_xfer_buffers if self.use_host_buffer else kv_caches
+        for layer_name, cache_or_caches in xfer_buffers.items():
+            layer_spec = self._layer_specs[layer_name]
+            regions = self.transfer_topo.get_transfer_cache_regions(cache_or_caches, layer_spec)
+            for region in regions:
+                if region.data_ptr() in seen:
+                    continue
+                seen.add(region.data_ptr())
+                regions_mamba.append(isinstance(layer_spec, MambaSpec))
+        specs = [g.kv_cache_spec for g in self.kv_cache_config.kv_cache_groups]
+        attention_dtypes = [str(s.dtype) for s in specs if hasattr(s, "dtype")]
+        mamba_dtypes = next(
+            ([str(d) for d in s.dtypes] for s in specs if isinstance(s, MambaSpec)), []
+        )
+        conv_layout = ""
+        if self._has_mamba:
+            from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+            conv_layout = "DS" if is_conv_state_dim_first() else "SD"
+        cache_config = self.vllm_config.cache_config
+        return handshake.HandshakeRecord(
+            protocol=handshake.PROTOCOL,
+            version=handshake.RECORD_VERSION,
+            plugin_version=__version__,
+            groups=groups,
+            kernel_block_tokens=int(self.block_size),
+            logical_block_tokens=int(self.block_size) * local_physical_per_logical,
+            regions_mamba=regions_mamba,
+            kv_cache_layout=self.kv_cache_layout
+            if not self.use_host_buffer
+            else self.host_buffer_kv_cache_layout,
+            kv_cache_dtype=attention_dtypes[0] if attention_dtypes else "",
+            mamba_state_dtypes=mamba_dtypes,
+            mamba_conv_state_layout=conv_layout,
+            prefix_caching=bool(cache_config.enable_prefix_caching),
+            mamba_cache_mode=str(cache_config.mamba_cache_mode),
+            tp_size=int(self.world_size),
+        )
+
+    def _nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+    ) -> dict[int, str]:
+        """vLLM 0.21.0 ``NixlConnectorWorker._nixl_handshake``, re-implemented
+        from its contract: ask each remote TP rank this rank reads from for its
+        payload on the side channel, refuse an incompatible one, register the
+        agent, return ``{remote rank: agent name}``.
+
+        Why: upstream decodes only vLLM's fields, so it cannot refuse a stock
+        or mismatched peer before registering it. What changes: the payload is
+        parsed by ``handshake.parse_payload``, the record validated by
+        ``handshake.validate_remote`` and the agent metadata by
+        ``handshake.check_agent_metadata``, all before ``add_remote_agent``.
+        Remove when: upstream validates remote layouts itself.
+        """
+        import msgspec
+        import zmq
+        from vllm.utils.network_utils import make_zmq_path
+
+        if not self.use_host_buffer:
+            # the background thread needs a device context (see upstream)
+            upstream_worker_module.current_platform.set_device(self.device_id)
+        if self.transfer_topo is None:
+            raise RuntimeError("_nixl_handshake called before register_kv_caches")
+        remote_ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size)
+        path = make_zmq_path("tcp", host, port)
+        agent_names: dict[int, str] = {}
+        with upstream_worker_module.zmq_ctx(zmq.REQ, path) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, SIDE_CHANNEL_TIMEOUT_MS)
+            for remote_rank in remote_ranks:
+                started = time.perf_counter()
+                sock.send(msgspec.msgpack.encode((GET_META_MSG, remote_rank)))
+                try:
+                    payload_bytes = sock.recv()
+                except zmq.Again as e:
+                    raise handshake.HandshakeError(
+                        "side channel",
+                        "an answer within 5 s",
+                        f"no answer from {path} for rank {remote_rank}",
+                        "check that the prefill engine is up and "
+                        "VLLM_NIXL_SIDE_CHANNEL_HOST/PORT point at it",
+                    ) from e
+                agent_meta = self._validated_agent_metadata(
+                    payload_bytes, expected_engine_id, remote_tp_size
+                )
+                agent_names[remote_rank] = self.add_remote_agent(
+                    agent_meta, remote_rank, remote_tp_size
+                )
+                logger.debug(
+                    "NIXL handshake with %s rank %s took %.3f s",
+                    expected_engine_id,
+                    remote_rank,
+                    time.perf_counter() - started,
+                )
+        return agent_names
+
+    def _validated_agent_metadata(
+        self, payload_bytes: bytes, expected_engine_id: str, remote_tp_size: int
+    ) -> NixlAgentMetadata:
+        import msgspec
+
+        parsed = handshake.parse_payload(payload_bytes)
+        if self.compat_hash is None:
+            raise RuntimeError("compatibility hash is computed in register_kv_caches")
+        if self.enforce_compat_hash and parsed.compatibility_hash != self.compat_hash:
+            raise handshake.HandshakeError(
+                "NIXL compatibility hash (vLLM version, model, dtype, KV heads, layers, "
+                "attention backend, cache dtype, HMA)",
+                self.compat_hash,
+                parsed.compatibility_hash,
+                "both engines must run the same vLLM and the same model path and settings",
+            )
+        handshake.validate_remote(self._handshake_record, parsed.record)
+        if parsed.record.tp_size != remote_tp_size:
+            raise handshake.HandshakeError(
+                "tp_size",
+                remote_tp_size,
+                parsed.record.tp_size,
+                "the request's kv_transfer_params name another TP size than the "
+                "prefill engine reports",
+            )
+        try:
+            agent_meta = msgspec.msgpack.decode(parsed.agent_metadata_bytes, type=NixlAgentMetadata)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise handshake.MalformedHandshakeError(
+                "agent_metadata_bytes", len(parsed.agent_metadata_bytes), str(e)
+            ) from e
+        if agent_meta.engine_id != expected_engine_id:
+            raise handshake.HandshakeError(
+                "engine_id",
+                expected_engine_id,
+                agent_meta.engine_id,
+                "the side channel answered for another engine",
+            )
+        handshake.check_agent_metadata(
+            parsed.record,
+            num_blocks=agent_meta.num_blocks,
+            block_lens=agent_meta.block_lens,
+            kv_caches_base_addr=agent_meta.kv_caches_base_addr,
+            block_size=agent_meta.block_size,
+            physical_blocks_per_logical=agent_meta.physical_blocks_per_logical_kv_block,
+            ssm_sizes=list(agent_meta.ssm_sizes),
+        )
+        return agent_meta
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """vLLM 0.21.0 ``NixlConnectorWorker.get_finished``.
+
+        Why: upstream raises KeyError on a failed request whose remote engine
+        never registered (refused or unreachable at handshake). What changes:
+        those requests are removed from ``_failed_recv_reqs`` and
+        ``_recving_metadata`` before upstream runs and added to its
+        ``done_recving``. Remove when: upstream tolerates them.
+        """
+        unregistered = set()
+        for request_id in tuple(self._failed_recv_reqs):
+            meta = self._recving_metadata.get(request_id)
+            if (
+                meta is None
+                or meta.remote is None
+                or not self._engine_registered(meta.remote.engine_id)
+            ):
+                unregistered.add(request_id)
+        self._failed_recv_reqs.difference_update(unregistered)
+        for request_id in unregistered:
+            self._recving_metadata.pop(request_id, None)
+        done_sending, done_recving = super().get_finished()
+        return done_sending, done_recving | unregistered
+
+    def _engine_registered(self, engine_id: str) -> bool:
+        if self.transfer_topo is None:
+            return False
+        try:
+            self.transfer_topo.get_engine_info(engine_id)
+        except KeyError:
+            return False
+        return True

@@ -63,6 +63,11 @@ class Cell:
     num_gpu_blocks: int = 256
     max_model_len: int = 512
     device: str = "cpu"
+    # Fault injection (harness/faults.py): another connector or model on the
+    # prefill side, or a side-channel port nobody listens on.
+    prefill_connector: str | None = None
+    prefill_model_dir: str | None = None
+    dead_side_channel: bool = False
 
 
 @dataclass
@@ -81,6 +86,10 @@ class ScenarioResult:
     seconds: float = 0.0
     error: str | None = None
     examples: list[str] = field(default_factory=list)
+    # Outcome per request, for fault injection.
+    requests_failed: int = 0
+    silently_wrong_slots: int = 0
+    leaked_handles: int = 0
 
     @property
     def ok(self) -> bool:
@@ -88,7 +97,8 @@ class ScenarioResult:
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
-        row.pop("examples")
+        for internal in ("examples", "requests_failed", "silently_wrong_slots", "leaked_handles"):
+            row.pop(internal)
         return row
 
 
@@ -205,9 +215,23 @@ def run_cell(
     results = [ScenarioResult(s.name, cell.p_tp, cell.d_tp, cell.layout) for s in cell.scenarios]
     side_channel_port = free_port()
     specs = {}
-    for role, ranks, engine_id, dist_port in (
-        ("prefill", p_ranks, f"prefill-{side_channel_port}", free_port()),
-        ("decode", d_ranks, f"decode-{side_channel_port}", free_port()),
+    for role, ranks, engine_id, dist_port, connector, model_dir in (
+        (
+            "prefill",
+            p_ranks,
+            f"prefill-{side_channel_port}",
+            free_port(),
+            cell.prefill_connector or cell.connector,
+            cell.prefill_model_dir or cell.model_dir,
+        ),
+        (
+            "decode",
+            d_ranks,
+            f"decode-{side_channel_port}",
+            free_port(),
+            cell.connector,
+            cell.model_dir,
+        ),
     ):
         for tp_rank, index in enumerate(ranks):
             specs[index] = (
@@ -215,8 +239,8 @@ def run_cell(
                 {
                     "role": role,
                     "engine_id": engine_id,
-                    "connector": cell.connector,
-                    "model_dir": cell.model_dir,
+                    "connector": connector,
+                    "model_dir": model_dir,
                     "tp_size": len(ranks),
                     "tp_rank": tp_rank,
                     "dist_port": dist_port,
@@ -303,7 +327,7 @@ def _run_scenario(
                 "remote_engine_id": f"prefill-{side_channel_port}",
                 "remote_request_id": rid,
                 "remote_host": "127.0.0.1",
-                "remote_port": side_channel_port,
+                "remote_port": free_port() if cell.dead_side_channel else side_channel_port,
                 "tp_size": cell.p_tp,
             },
         }
@@ -328,21 +352,35 @@ def _run_scenario(
         result.error = _first_line(load_error)
         return
     not_done = {rid for load in loads.values() for rid in set(request_ids) - set(load["done"])}
+    failed = {rid for load in loads.values() for rid in load["failed"]}
+    result.requests_failed = len(failed)
     if not_done:
         result.error = f"{len(not_done)} request(s) not finished in {TRANSFER_TIMEOUT_S:.0f} s"
+    elif failed:
+        result.error = f"{len(failed)} request(s) reported failed by the connector"
     result.seconds = max(load["seconds"] for load in loads.values())
     result.bytes = sum(load["bytes"] for load in loads.values())
     result.descriptors = sum(load["descriptors"] for load in loads.values())
+    result.leaked_handles = sum(load["pending_transfers"] for load in loads.values())
+    if failed and len(failed) == len(request_ids):
+        # refused at handshake: no remote agent may stay registered
+        result.leaked_handles += sum(load["remote_agents"] for load in loads.values())
 
     verify_args = {
         "requests": oracle_requests(d_blocks),
         "first_logical_index_by_group": [b.first_logical_index_by_group for b in d_blocks],
     }
     verdicts = pool.call_all({index: ("verify", verify_args) for index in d_ranks})
+    delivered = {i for i, rid in enumerate(request_ids) if rid not in failed | not_done}
     for verdict in verdicts.values():
         result.slots_checked += verdict.slots_checked
         result.mismatched_slots += verdict.mismatched_slots
         result.examples.extend(verdict.examples[: 5 - len(result.examples)])
+        result.silently_wrong_slots += sum(
+            count
+            for request_index, count in verdict.mismatched_by_request.items()
+            if request_index in delivered or request_index == -1
+        )
 
 
 def model_dir_for(config: dict[str, Any], root: Path) -> str:

@@ -101,10 +101,18 @@ class CheckResult:
     mismatched_slots: int = 0
     pages_checked_poisoned: int = 0
     examples: list[str] = field(default_factory=list)
+    #: request index -> mismatched slots of that request (-1: pages of no request)
+    mismatched_by_request: dict[int, int] = field(default_factory=dict)
 
-    def add(self, checked: int, mismatched: int, example: str | None) -> None:
+    def add(
+        self, checked: int, mismatched: int, example: str | None, request_index: int = -1
+    ) -> None:
         self.slots_checked += checked
         self.mismatched_slots += mismatched
+        if mismatched:
+            self.mismatched_by_request[request_index] = (
+                self.mismatched_by_request.get(request_index, 0) + mismatched
+            )
         if mismatched and example and len(self.examples) < 5:
             self.examples.append(example)
 
@@ -220,6 +228,7 @@ def verify(
                     f"req {request.request_index} layer {slots.layer_index} kernel block "
                     f"{kernel_id} (tokens {position}..{position + real_tokens - 1}): "
                     f"{wrong} wrong",
+                    request.request_index,
                 )
         for slots in mamba:
             (state_id,) = request.logical_ids_by_group[slots.group_index]
@@ -232,12 +241,14 @@ def verify(
                 wrong_conv,
                 f"req {request.request_index} layer {slots.layer_index} conv state: "
                 f"{wrong_conv} wrong channels x rows",
+                request.request_index,
             )
             result.add(
                 ssm.size,
                 wrong_ssm,
                 f"req {request.request_index} layer {slots.layer_index} ssm state: "
                 f"{wrong_ssm} wrong",
+                request.request_index,
             )
     if pages is not None:
         poison = poison_value(pages.dtype.itemsize)

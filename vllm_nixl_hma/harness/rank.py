@@ -360,11 +360,15 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
         )
     start = time.perf_counter()
     done: set[str] = set()
+    failed: set[str] = set()
     wanted = {r["request_id"] for r in requests}
     deadline = time.monotonic() + timeout_s
     worker.start_load_kv(metadata)
     while done != wanted and time.monotonic() < deadline:
         worker.start_load_kv(NixlConnectorMetadata())
+        # upstream reports requests it gave up on (handshake or transfer setup
+        # failed) as finished; note them before get_finished clears the set
+        failed |= set(tuple(worker._failed_recv_reqs))
         _, done_recving = worker.get_finished()
         done |= done_recving
         time.sleep(POLL_SECONDS)
@@ -372,10 +376,13 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
     data = stats.data
     return {
         "done": sorted(done),
+        "failed": sorted(failed),
         "seconds": seconds,
         "bytes": int(sum(data["bytes_transferred"])),
         "descriptors": int(sum(data["num_descriptors"])),
         "failed_transfers": len(data["num_failed_transfers"]),
+        "pending_transfers": sum(len(h) for h in worker._recving_transfers.values()),
+        "remote_agents": sum(len(agents) for agents in worker._remote_agents.values()),
     }
 
 

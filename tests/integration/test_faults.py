@@ -1,0 +1,55 @@
+"""Fault injection with real NIXL: decode refuses bad prefill engines and keeps working.
+
+Each fault runs through the oracle harness (harness/faults.py) with our
+connector and with stock vLLM 0.21.0 NixlConnector for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_nixl_hma.harness.faults import FAULTS, run_faults
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    return {
+        connector: {
+            r.name: r
+            for r in run_faults(
+                FAULTS, connector, tmp_path_factory.mktemp(connector), lambda line: None
+            )
+        }
+        for connector in ("NixlHMAConnector", "NixlConnector")
+    }
+
+
+@pytest.mark.parametrize("fault", [f.name for f in FAULTS])
+def test_ours_refuses_every_affected_request_without_wrong_slots_or_leaks(outcomes, fault):
+    result = outcomes["NixlHMAConnector"][fault]
+    assert result.requests == 3
+    assert result.requests_failed == 3, result.error
+    assert result.silently_wrong_slots == 0
+    assert result.leaked_handles == 0
+    assert result.ok
+
+
+def test_refusals_come_within_the_side_channel_timeout(outcomes):
+    for result in outcomes["NixlHMAConnector"].values():
+        assert result.seconds < 10.0, (result.name, result.seconds)
+
+
+def test_stock_decodes_wrong_kv_or_crashes_on_the_same_faults(outcomes):
+    """What stock 0.21.0 does today (README's comparison): with a stock
+    prefill it reads wrong blocks silently; a refused or unreachable prefill
+    engine makes its get_finished raise KeyError in the decode worker."""
+    stock = outcomes["NixlConnector"]
+    assert stock["stock-prefill"].silently_wrong_slots > 0
+    assert stock["stock-prefill"].requests_failed == 0
+    for name in ("dead-side-channel", "mismatched-layout"):
+        assert stock[name].error is not None and "KeyError" in stock[name].error

@@ -1,0 +1,171 @@
+"""The handshake record (vllm_nixl_hma.handshake): parsing, validation, refusals."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_nixl_hma import handshake
+from vllm_nixl_hma.handshake import GroupRecord, HandshakeError, MalformedHandshakeError
+
+RATIO = 5
+
+
+def record(**overrides) -> handshake.HandshakeRecord:
+    fields = {
+        "protocol": handshake.PROTOCOL,
+        "version": handshake.RECORD_VERSION,
+        "plugin_version": "0.1.0",
+        "groups": [GroupRecord("mamba", 1), GroupRecord("full_attention", RATIO)],
+        "kernel_block_tokens": 16,
+        "logical_block_tokens": 16 * RATIO,
+        "regions_mamba": [True, True],
+        "kv_cache_layout": "HND",
+        "kv_cache_dtype": "torch.bfloat16",
+        "mamba_state_dtypes": ["torch.bfloat16", "torch.bfloat16"],
+        "mamba_conv_state_layout": "DS",
+        "prefix_caching": False,
+        "mamba_cache_mode": "none",
+        "tp_size": 1,
+    }
+    fields.update(overrides)
+    return handshake.HandshakeRecord(**fields)
+
+
+def payload(rec: object = None, **outer) -> bytes:
+    fields = {"compatibility_hash": "abc", "agent_metadata_bytes": b"meta"}
+    if rec is not None:
+        fields[handshake.PAYLOAD_FIELD] = (
+            handshake.encode_record(rec) if isinstance(rec, handshake.HandshakeRecord) else rec
+        )
+    fields.update(outer)
+    return msgspec.msgpack.encode(fields)
+
+
+def test_round_trip():
+    parsed = handshake.parse_payload(payload(record()))
+    assert parsed.record == record()
+    assert (parsed.compatibility_hash, parsed.agent_metadata_bytes) == ("abc", b"meta")
+
+
+def test_stock_peer_without_record_is_refused_by_name():
+    with pytest.raises(HandshakeError, match="does not run NixlHMAConnector") as info:
+        handshake.parse_payload(payload(None))
+    assert info.value.remote == "absent"
+
+
+def test_other_protocol_version_is_refused_before_its_body_is_read():
+    newer = msgspec.msgpack.encode({"protocol": handshake.PROTOCOL, "version": 2, "x": [1]})
+    with pytest.raises(HandshakeError, match="handshake protocol") as info:
+        handshake.parse_payload(payload(newer))
+    assert info.value.remote == "vllm_nixl_hma v2"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b"\xc1garbage", "payload"),
+        (msgspec.msgpack.encode([1, 2]), "payload"),
+        (
+            msgspec.msgpack.encode({"compatibility_hash": 3, "agent_metadata_bytes": b""}),
+            "compatibility_hash",
+        ),
+        (payload(b"\x00\x01"), handshake.PAYLOAD_FIELD),
+        (payload(record(kernel_block_tokens=-16)), "kernel_block_tokens"),
+        (payload(record(groups=[])), "groups"),
+        (payload(record(logical_block_tokens=81)), "logical_block_tokens"),
+        (payload(record(groups=[GroupRecord("lstm", 1)])), "groups[0].kind"),
+        (
+            payload(record(groups=[GroupRecord("full_attention", 0)], logical_block_tokens=16)),
+            "groups[0].physical_per_logical",
+        ),
+    ],
+)
+def test_malformed_payloads_name_the_field(raw, field):
+    with pytest.raises(MalformedHandshakeError) as info:
+        handshake.parse_payload(raw)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        (
+            {"groups": [GroupRecord("full_attention", RATIO)], "regions_mamba": [False, False]},
+            "KV cache group kinds",
+        ),
+        ({"regions_mamba": [False, True]}, "regions_mamba"),
+        ({"kernel_block_tokens": 32, "logical_block_tokens": 32 * RATIO}, "kernel_block_tokens"),
+        ({"kv_cache_layout": "NHD"}, "kv_cache_layout"),
+        ({"kv_cache_dtype": "torch.float16"}, "kv_cache_dtype"),
+        ({"mamba_state_dtypes": ["torch.bfloat16", "torch.float32"]}, "mamba_state_dtypes"),
+        ({"mamba_conv_state_layout": "SD"}, "mamba_conv_state_layout"),
+        ({"mamba_cache_mode": "align"}, "mamba_cache_mode"),
+    ],
+)
+def test_every_mismatch_names_field_local_and_remote(override, field):
+    remote = record(**override)
+    with pytest.raises(HandshakeError) as info:
+        handshake.validate_remote(record(), remote)
+    assert info.value.field.startswith(field)
+    message = str(info.value)
+    assert "local=" in message and "remote=" in message
+
+
+def test_unequal_ratios_pass_without_prefix_caching_and_fail_with_it():
+    remote = record(
+        groups=[GroupRecord("mamba", 1), GroupRecord("full_attention", 3)],
+        logical_block_tokens=48,
+        tp_size=2,
+    )
+    handshake.validate_remote(record(), remote)
+    with pytest.raises(HandshakeError, match="--no-enable-prefix-caching"):
+        handshake.validate_remote(record(), msgspec.structs.replace(remote, prefix_caching=True))
+    with pytest.raises(HandshakeError, match="--no-enable-prefix-caching"):
+        handshake.validate_remote(record(prefix_caching=True), remote)
+
+
+def test_equal_records_validate():
+    handshake.validate_remote(record(), record(tp_size=4, plugin_version="0.1.1"))
+
+
+def agent(**overrides):
+    fields = {
+        "num_blocks": 256 * RATIO,
+        "block_lens": [1024, 1024],
+        "kv_caches_base_addr": [4096, 8192],
+        "block_size": 16,
+        "physical_blocks_per_logical": RATIO,
+        "ssm_sizes": [10, 20],
+    }
+    fields.update(overrides)
+    return fields
+
+
+def test_consistent_agent_metadata_passes():
+    handshake.check_agent_metadata(record(), **agent())
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"num_blocks": -5}, "num_blocks"),
+        ({"num_blocks": 1 << 60}, "num_blocks"),
+        ({"num_blocks": 256 * RATIO + 1}, "num_blocks"),
+        ({"num_blocks": "many"}, "num_blocks"),
+        ({"block_lens": [1024]}, "block_lens"),
+        ({"block_lens": [1024, 0]}, "block_lens[1]"),
+        ({"kv_caches_base_addr": [4096, None]}, "kv_caches_base_addr[1]"),
+        ({"block_size": 32}, "block_size"),
+        (
+            {"physical_blocks_per_logical": 3, "num_blocks": 256 * 15},
+            "physical_blocks_per_logical_kv_block",
+        ),
+        ({"physical_blocks_per_logical": 0}, "physical_blocks_per_logical_kv_block"),
+        ({"ssm_sizes": [1]}, "ssm_sizes"),
+    ],
+)
+def test_bad_agent_metadata_is_refused_naming_the_field(override, field):
+    with pytest.raises(MalformedHandshakeError) as info:
+        handshake.check_agent_metadata(record(), **agent(**override))
+    assert info.value.field == field

@@ -1,0 +1,321 @@
+"""The versioned record NixlHMAConnector adds to vLLM's NIXL handshake, and its checks.
+
+No vLLM, no torch: msgspec (vLLM's wire codec) and the standard library only.
+
+Prefill publishes, next to vLLM's ``compatibility_hash`` and
+``agent_metadata_bytes``, a field ``vllm_nixl_hma`` holding a ``HandshakeRecord``:
+what decode needs to validate prefill authoritatively instead of classifying
+the remote's memory with its own local layout. Decode parses the payload in
+phases (outer map, record version, record body, agent metadata), so that a
+stock or newer peer gets a readable refusal rather than a decoder traceback,
+and checks every field against its own record before it registers the remote
+or reads a byte. Every refusal is a ``HandshakeError`` naming the field, the
+local value and the remote value.
+
+Version history (``RECORD_VERSION``):
+  1: groups (kind, kernel-per-logical ratio), kernel and logical block tokens,
+     regions (is each registered region Mamba state), KV layout, dtypes, conv
+     state layout, prefix caching, Mamba cache mode, TP size, plugin version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from vllm_nixl_hma.blocks import GroupKind, check_alignable
+from vllm_nixl_hma.errors import IncompatibleRemoteError
+
+__all__ = [
+    "PAYLOAD_FIELD",
+    "PROTOCOL",
+    "RECORD_VERSION",
+    "HandshakeError",
+    "HandshakeRecord",
+    "MalformedHandshakeError",
+    "ParsedPayload",
+    "check_agent_metadata",
+    "encode_record",
+    "parse_payload",
+    "validate_remote",
+]
+
+PROTOCOL = "vllm_nixl_hma"
+RECORD_VERSION = 1
+#: key of the record in the handshake payload's msgpack map
+PAYLOAD_FIELD = "vllm_nixl_hma"
+
+#: bounds on peer-supplied counts: far above any real engine, far below what
+#: could exhaust memory or time while validating
+MAX_GROUPS = 64
+MAX_REGIONS = 1 << 14
+MAX_BLOCKS = 1 << 34
+MAX_RATIO = 4096
+MAX_BLOCK_TOKENS = 1 << 20
+MAX_BLOCK_LEN = 1 << 40
+MAX_PAYLOAD_BYTES = 64 << 20
+
+
+class HandshakeError(IncompatibleRemoteError):
+    """A remote engine refused at handshake (a RuntimeError); nothing was read."""
+
+
+class MalformedHandshakeError(HandshakeError):
+    """The remote's payload does not parse, or contradicts itself."""
+
+    def __init__(self, field: str, remote: object, reason: str):
+        super().__init__(field, "a well-formed value", remote, reason)
+
+
+class GroupRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    kind: str
+    physical_per_logical: int
+
+
+class HandshakeRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What one engine's worker says about itself. Unknown fields are ignored
+    (a newer minor addition); a different ``version`` is refused."""
+
+    protocol: str
+    version: int
+    plugin_version: str
+    groups: list[GroupRecord]
+    kernel_block_tokens: int
+    logical_block_tokens: int
+    regions_mamba: list[bool]
+    kv_cache_layout: str
+    kv_cache_dtype: str
+    mamba_state_dtypes: list[str]
+    mamba_conv_state_layout: str
+    prefix_caching: bool
+    mamba_cache_mode: str
+    tp_size: int
+
+
+class _Envelope(msgspec.Struct, forbid_unknown_fields=False):
+    protocol: str
+    version: int
+
+
+class ParsedPayload(msgspec.Struct, frozen=True):
+    compatibility_hash: str
+    agent_metadata_bytes: bytes
+    record: HandshakeRecord
+
+
+def encode_record(record: HandshakeRecord) -> bytes:
+    return msgspec.msgpack.encode(record)
+
+
+def _malformed(field: str, remote: object, reason: str) -> MalformedHandshakeError:
+    shown = remote if not isinstance(remote, bytes | bytearray) else f"{len(remote)} bytes"
+    return MalformedHandshakeError(field, shown, reason)
+
+
+def parse_payload(payload_bytes: bytes) -> ParsedPayload:
+    """Decode a handshake payload in phases; raise a HandshakeError on anything else."""
+    if not isinstance(payload_bytes, bytes | bytearray | memoryview):
+        raise _malformed("payload", type(payload_bytes).__name__, "expected bytes")
+    if len(payload_bytes) > MAX_PAYLOAD_BYTES:
+        raise _malformed("payload", len(payload_bytes), f"larger than {MAX_PAYLOAD_BYTES} bytes")
+    try:
+        outer = msgspec.msgpack.decode(payload_bytes)
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        raise _malformed("payload", len(payload_bytes), f"not msgpack: {e}") from e
+    if not isinstance(outer, dict):
+        raise _malformed("payload", type(outer).__name__, "expected a map")
+    compatibility_hash = outer.get("compatibility_hash")
+    agent_metadata_bytes = outer.get("agent_metadata_bytes")
+    if not isinstance(compatibility_hash, str):
+        raise _malformed("compatibility_hash", compatibility_hash, "expected a string")
+    if not isinstance(agent_metadata_bytes, bytes):
+        raise _malformed("agent_metadata_bytes", agent_metadata_bytes, "expected bytes")
+    if PAYLOAD_FIELD not in outer:
+        raise HandshakeError(
+            "handshake record",
+            f"{PROTOCOL} v{RECORD_VERSION}",
+            "absent",
+            "the prefill engine does not run NixlHMAConnector (stock NixlConnector or "
+            "another connector); run NixlHMAConnector on both engines",
+        )
+    record_bytes = outer[PAYLOAD_FIELD]
+    if not isinstance(record_bytes, bytes):
+        raise _malformed(PAYLOAD_FIELD, type(record_bytes).__name__, "expected bytes")
+    try:
+        envelope = msgspec.msgpack.decode(record_bytes, type=_Envelope)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        raise _malformed(PAYLOAD_FIELD, record_bytes, f"no protocol/version: {e}") from e
+    if envelope.protocol != PROTOCOL or envelope.version != RECORD_VERSION:
+        raise HandshakeError(
+            "handshake protocol",
+            f"{PROTOCOL} v{RECORD_VERSION}",
+            f"{envelope.protocol} v{envelope.version}",
+            "prefill and decode run incompatible vllm_nixl_hma releases; install the "
+            "same release on both",
+        )
+    try:
+        record = msgspec.msgpack.decode(record_bytes, type=HandshakeRecord)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        raise _malformed(PAYLOAD_FIELD, record_bytes, str(e)) from e
+    _check_record_ranges(record)
+    return ParsedPayload(compatibility_hash, agent_metadata_bytes, record)
+
+
+def _check_int(field: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise _malformed(field, value, f"outside [{low}, {high}]")
+
+
+def _check_record_ranges(record: HandshakeRecord) -> None:
+    _check_int("groups", len(record.groups), 1, MAX_GROUPS)
+    _check_int("regions_mamba", len(record.regions_mamba), 1, MAX_REGIONS)
+    _check_int("kernel_block_tokens", record.kernel_block_tokens, 1, MAX_BLOCK_TOKENS)
+    _check_int("logical_block_tokens", record.logical_block_tokens, 1, MAX_BLOCK_TOKENS)
+    _check_int("tp_size", record.tp_size, 1, 4096)
+    kinds = {kind.value for kind in GroupKind}
+    ratios = set()
+    for index, group in enumerate(record.groups):
+        if group.kind not in kinds:
+            raise _malformed(f"groups[{index}].kind", group.kind, f"not one of {sorted(kinds)}")
+        _check_int(
+            f"groups[{index}].physical_per_logical", group.physical_per_logical, 1, MAX_RATIO
+        )
+        if group.kind != GroupKind.MAMBA.value:
+            ratios.add(group.physical_per_logical)
+    if len(ratios) > 1:
+        raise _malformed("groups", sorted(ratios), "attention groups disagree on the ratio")
+    ratio = ratios.pop() if ratios else 1
+    if record.logical_block_tokens != ratio * record.kernel_block_tokens:
+        raise _malformed(
+            "logical_block_tokens",
+            record.logical_block_tokens,
+            f"is not ratio {ratio} x kernel_block_tokens {record.kernel_block_tokens}",
+        )
+
+
+def attention_ratio(record: HandshakeRecord) -> int:
+    ratios = [g.physical_per_logical for g in record.groups if g.kind != GroupKind.MAMBA.value]
+    return ratios[0] if ratios else 1
+
+
+def validate_remote(local: HandshakeRecord, remote: HandshakeRecord) -> None:
+    """Every field decode needs to agree on with prefill, in a fixed order;
+    raise a HandshakeError for the first that does not."""
+
+    def same(field: str, local_value: Any, remote_value: Any, remedy: str) -> None:
+        if local_value != remote_value:
+            raise HandshakeError(field, local_value, remote_value, remedy)
+
+    restart = "start both engines with the same model, dtype and cache settings"
+    same(
+        "KV cache group kinds",
+        [g.kind for g in local.groups],
+        [g.kind for g in remote.groups],
+        "prefill and decode must serve the same model architecture",
+    )
+    same(
+        "regions_mamba (which registered regions hold Mamba state)",
+        local.regions_mamba,
+        remote.regions_mamba,
+        "the engines lay out KV memory differently; " + restart,
+    )
+    same(
+        "kernel_block_tokens",
+        local.kernel_block_tokens,
+        remote.kernel_block_tokens,
+        "the attention kernels use different block sizes (attention backend or TP "
+        "shape); pick an attention backend and --block-size that give both engines "
+        "the same kernel block size",
+    )
+    same("kv_cache_layout", local.kv_cache_layout, remote.kv_cache_layout, restart)
+    same("kv_cache_dtype", local.kv_cache_dtype, remote.kv_cache_dtype, restart)
+    same("mamba_state_dtypes", local.mamba_state_dtypes, remote.mamba_state_dtypes, restart)
+    same(
+        "mamba_conv_state_layout",
+        local.mamba_conv_state_layout,
+        remote.mamba_conv_state_layout,
+        "set VLLM_SSM_CONV_STATE_LAYOUT=DS on both engines",
+    )
+    same(
+        "mamba_cache_mode",
+        local.mamba_cache_mode,
+        remote.mamba_cache_mode,
+        "the engines keep different numbers of Mamba state blocks per request; "
+        "use the same --enable-prefix-caching / --mamba-cache-mode on both",
+    )
+    local_ratio, remote_ratio = attention_ratio(local), attention_ratio(remote)
+    if local_ratio != remote_ratio and (local.prefix_caching or remote.prefix_caching):
+        raise HandshakeError(
+            "prefix_caching",
+            local.prefix_caching,
+            remote.prefix_caching,
+            f"kernel-per-logical ratios differ (local={local_ratio}, remote={remote_ratio}) "
+            "and kernel blocks cannot be aligned after a prefix-cache hit; restart both "
+            "engines with --no-enable-prefix-caching",
+        )
+    check_alignable(
+        [GroupKind(g.kind) for g in local.groups],
+        local_ratio,
+        remote_ratio,
+        local_prefix_caching=local.prefix_caching,
+    )
+
+
+def check_agent_metadata(
+    record: HandshakeRecord,
+    *,
+    num_blocks: Any,
+    block_lens: Any,
+    kv_caches_base_addr: Any,
+    block_size: Any,
+    physical_blocks_per_logical: Any,
+    ssm_sizes: Sequence[Any],
+) -> None:
+    """vLLM's agent metadata must be well-formed and agree with the record."""
+    for field, value in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("physical_blocks_per_logical_kv_block", physical_blocks_per_logical),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _malformed(field, value, "expected an integer")
+    _check_int("num_blocks", num_blocks, 1, MAX_BLOCKS)
+    _check_int("physical_blocks_per_logical_kv_block", physical_blocks_per_logical, 1, MAX_RATIO)
+    if num_blocks % physical_blocks_per_logical:
+        raise _malformed(
+            "num_blocks",
+            num_blocks,
+            f"not a multiple of physical_blocks_per_logical_kv_block {physical_blocks_per_logical}",
+        )
+    if block_size != record.kernel_block_tokens:
+        raise _malformed(
+            "block_size", block_size, f"differs from the record's {record.kernel_block_tokens}"
+        )
+    if physical_blocks_per_logical != attention_ratio(record):
+        raise _malformed(
+            "physical_blocks_per_logical_kv_block",
+            physical_blocks_per_logical,
+            f"differs from the record's {attention_ratio(record)}",
+        )
+    regions = len(record.regions_mamba)
+    for field, values in (("block_lens", block_lens), ("kv_caches_base_addr", kv_caches_base_addr)):
+        if not isinstance(values, list) or len(values) != regions:
+            raise _malformed(
+                field,
+                len(values) if isinstance(values, list) else values,
+                f"expected one entry per registered region ({regions})",
+            )
+        for index, value in enumerate(values):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise _malformed(f"{field}[{index}]", value, "expected an integer")
+    for index, value in enumerate(block_lens):
+        _check_int(f"block_lens[{index}]", value, 1, MAX_BLOCK_LEN)
+    for index, value in enumerate(kv_caches_base_addr):
+        _check_int(f"kv_caches_base_addr[{index}]", value, 1, (1 << 64) - 1)
+    if len(ssm_sizes) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_BLOCK_LEN
+        for v in ssm_sizes
+    ):
+        raise _malformed("ssm_sizes", list(ssm_sizes), "expected two sizes in bytes")

@@ -1,0 +1,140 @@
+"""Fault injection in the oracle harness: what decode does when prefill is wrong.
+
+Each fault is a cell with one thing broken. A fault passes when decode
+reports every affected request failed (within the transfer timeout), no
+delivered request holds a wrong slot, nothing was written outside requests,
+and no NIXL transfer handle or refused remote agent stays behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_nixl_hma.harness.coordinator import (
+    Cell,
+    RankPool,
+    Scenario,
+    ScenarioResult,
+    model_dir_for,
+    run_cell,
+)
+from vllm_nixl_hma.harness.model_shapes import LAYOUTS
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    description: str
+    p_tp: int = 2
+    d_tp: int = 1
+    prefill_connector: str | None = None
+    prefill_layout: str | None = None
+    dead_side_channel: bool = False
+
+
+FAULTS = (
+    Fault(
+        "stock-prefill",
+        "prefill runs stock NixlConnector (no handshake record)",
+        prefill_connector="NixlConnector",
+    ),
+    Fault(
+        "dead-side-channel",
+        "the prefill side channel named in kv_transfer_params is not listening",
+        p_tp=1,
+        dead_side_channel=True,
+    ),
+    Fault(
+        "mismatched-layout",
+        "prefill serves another model layout (one SSM group, other state size)",
+        prefill_layout="hybrid-1group",
+    ),
+)
+
+
+@dataclass
+class FaultResult:
+    name: str
+    requests_failed: int
+    requests_recovered: int
+    silently_wrong_slots: int
+    seconds: float
+    leaked_handles: int
+    requests: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.requests > 0
+            and self.requests_failed + self.requests_recovered == self.requests
+            and self.silently_wrong_slots == 0
+            and self.leaked_handles == 0
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        row = asdict(self)
+        row.pop("requests")
+        row.pop("error")
+        return row
+
+
+def _judge(fault: Fault, result: ScenarioResult) -> FaultResult:
+    return FaultResult(
+        name=fault.name,
+        requests_failed=result.requests_failed,
+        requests_recovered=0,  # the harness has no scheduler to recompute
+        silently_wrong_slots=result.silently_wrong_slots,
+        seconds=result.seconds,
+        leaked_handles=result.leaked_handles,
+        requests=result.requests,
+        error=result.error,
+    )
+
+
+def run_faults(
+    faults: tuple[Fault, ...],
+    connector: str,
+    workdir: Path,
+    progress: Callable[[str], None],
+    layout: str = "hybrid",
+) -> list[FaultResult]:
+    model_dirs = {name: model_dir_for(LAYOUTS[name], workdir) for name in LAYOUTS}
+    pool = RankPool(max(f.p_tp + f.d_tp for f in faults))
+    results = []
+    try:
+        for fault in faults:
+            progress(f"fault {fault.name}: {fault.description}")
+            cell = Cell(
+                layout=layout,
+                model_dir=model_dirs[layout],
+                p_tp=fault.p_tp,
+                d_tp=fault.d_tp,
+                connector=connector,
+                scenarios=[Scenario("mid-block")],
+                prefill_connector=fault.prefill_connector,
+                prefill_model_dir=model_dirs[fault.prefill_layout]
+                if fault.prefill_layout
+                else None,
+                dead_side_channel=fault.dead_side_channel,
+            )
+            (result,) = run_cell(pool, cell, progress)
+            results.append(_judge(fault, result))
+    finally:
+        pool.close()
+    return results
+
+
+FAULT_COLUMNS = (
+    ("fault", 18, lambda r: r.name),
+    ("reqs", 4, lambda r: r.requests),
+    ("failed", 6, lambda r: r.requests_failed),
+    ("recovered", 9, lambda r: r.requests_recovered),
+    ("silently wrong slots", 20, lambda r: r.silently_wrong_slots),
+    ("seconds", 7, lambda r: f"{r.seconds:.2f}"),
+    ("leaked", 6, lambda r: r.leaked_handles),
+    ("verdict", 7, lambda r: "ok" if r.ok else "FAILED"),
+)

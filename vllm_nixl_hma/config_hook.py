@@ -18,6 +18,11 @@ What it does for a Mamba hybrid (attention + Mamba/SSM layers):
   unless --no-disable-hybrid-kv-cache-manager is given);
 * refuses an explicit --disable-hybrid-kv-cache-manager: the connector
   moves Mamba state only under HMA.
+
+For every config that selects NixlHMAConnector (hybrid or not) and names no
+scheduler class of its own, it selects ``vllm_nixl_hma.scheduler``'s factory,
+whose schedulers can fail or recompute a multi-group request whose KV did not
+arrive (vLLM 0.21.0's cannot; the worker reports such requests only to them).
 """
 
 from __future__ import annotations
@@ -61,7 +66,13 @@ def _is_mamba_hybrid(vllm_config: VllmConfig) -> bool:
 
 def apply(vllm_config: VllmConfig) -> None:
     """Edit ``vllm_config`` in place as the module docstring says."""
-    if not selects_this_connector(vllm_config) or not _is_mamba_hybrid(vllm_config):
+    if not selects_this_connector(vllm_config):
+        return
+    if vllm_config.scheduler_config.scheduler_cls is None:
+        from vllm_nixl_hma.scheduler import FACTORY_PATH
+
+        vllm_config.scheduler_config.scheduler_cls = FACTORY_PATH
+    if not _is_mamba_hybrid(vllm_config):
         return
     from vllm.platforms import current_platform
 

@@ -51,6 +51,15 @@ method, and every byte of data movement, is upstream's.
     ``HandshakeError`` before ``add_remote_agent``. Remove when: upstream
     validates remote layouts itself.
 
+``get_finished()`` and ``_handle_failed_transfer(req_id, handle)``, failures under HMA
+    Why: with several KV cache groups upstream reports no invalid block for a
+    request whose KV did not arrive (handshake refused, transfer setup or
+    transfer failed): the request decodes on garbage (vLLM issue #52234).
+    How: when vLLM runs ``vllm_nixl_hma.scheduler``'s schedulers (the config
+    hook selects them), every local block of such a request, in every group,
+    is reported through ``get_block_ids_with_load_errors``; those schedulers
+    then apply ``kv_load_failure_policy``. Remove when: upstream does both.
+
 ``get_finished()``
     Why: upstream looks up the remote engine of every finished receive, and a
     request whose handshake failed names an engine that never registered: a
@@ -557,6 +566,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         ``_recving_metadata`` before upstream runs and added to its
         ``done_recving``. Remove when: upstream tolerates them.
         """
+        for request_id in tuple(self._failed_recv_reqs):
+            self._report_invalid_blocks_of(request_id)
         unregistered = set()
         for request_id in tuple(self._failed_recv_reqs):
             meta = self._recving_metadata.get(request_id)
@@ -580,3 +591,33 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         except KeyError:
             return False
         return True
+
+    def _handle_failed_transfer(self, req_id: str, handle: int):
+        """vLLM 0.21.0 ``NixlConnectorWorker._handle_failed_transfer``, plus
+        the request's blocks in every group under HMA (see the ledger)."""
+        self._report_invalid_blocks_of(req_id)
+        super()._handle_failed_transfer(req_id, handle)
+
+    def _report_invalid_blocks_of(self, request_id: str) -> None:
+        """Mark every local block of a failed request invalid, where the
+        scheduler can take them (upstream marks group 0 itself without HMA)."""
+        from vllm_nixl_hma.scheduler import FACTORY_PATH
+
+        if not self._is_hma_required:
+            return
+        if self.vllm_config.scheduler_config.scheduler_cls != FACTORY_PATH:
+            logger.warning_once(
+                "NixlHMAConnector: KV of a hybrid request did not arrive, and the configured "
+                "scheduler cannot fail or recompute it; leave scheduler_cls unset to let "
+                "vllm_nixl_hma select one that can"
+            )
+            return
+        meta = self._recving_metadata.get(request_id)
+        if meta is None:
+            return
+        self._invalid_block_ids.update(
+            block_id
+            for group in meta.local_block_ids
+            for block_id in group
+            if block_id != 0  # vLLM's null block
+        )

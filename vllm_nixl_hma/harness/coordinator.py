@@ -353,7 +353,14 @@ def _run_scenario(
         return
     not_done = {rid for load in loads.values() for rid in set(request_ids) - set(load["done"])}
     failed = {rid for load in loads.values() for rid in load["failed"]}
-    result.requests_failed = len(failed)
+    # A failed request counts as failed for vLLM only if every block of it was
+    # reported invalid: that is what makes the scheduler fail or recompute it.
+    invalid = {b for load in loads.values() for b in load["invalid_block_ids"]}
+    result.requests_failed = sum(
+        1
+        for rid, blocks in zip(request_ids, d_blocks, strict=True)
+        if rid in failed and {b for group in blocks.logical_ids_by_group for b in group} <= invalid
+    )
     if not_done:
         result.error = f"{len(not_done)} request(s) not finished in {TRANSFER_TIMEOUT_S:.0f} s"
     elif failed:

@@ -377,6 +377,8 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
     return {
         "done": sorted(done),
         "failed": sorted(failed),
+        # what vLLM's scheduler would be told to fail or recompute
+        "invalid_block_ids": sorted(worker.get_block_ids_with_load_errors()),
         "seconds": seconds,
         "bytes": int(sum(data["bytes_transferred"])),
         "descriptors": int(sum(data["num_descriptors"])),

@@ -1,0 +1,92 @@
+"""Schedulers that can fail or recompute requests of hybrid models whose KV did not arrive.
+
+vLLM 0.21.0's ``Scheduler._update_requests_with_invalid_blocks`` unpacks a
+request's block ids as a single KV cache group, so with HMA (several groups)
+any reported invalid block raises, and connectors report none: a request
+whose KV never arrived decodes on garbage (vLLM issue #52234). These
+subclasses handle several groups; the rest of vLLM's failure policy
+(``kv_load_failure_policy``: ``fail`` finishes the request with an error,
+``recompute`` computes it locally) is upstream's.
+
+The config hook selects ``make_scheduler`` as ``scheduler_cls`` for
+NixlHMAConnector: a factory, because whether vLLM schedules asynchronously is
+decided after the hook runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+__all__ = ["FACTORY_PATH", "NixlHMAAsyncScheduler", "NixlHMAScheduler", "make_scheduler"]
+
+FACTORY_PATH = "vllm_nixl_hma.scheduler.make_scheduler"
+NULL_BLOCK_ID = 0  # vLLM's BlockPool null block: shared by every request, never invalid
+
+
+class HybridInvalidBlocksMixin:
+    """Override of ``Scheduler._update_requests_with_invalid_blocks`` for
+    several KV cache groups.
+
+    Why: upstream's ``(req_block_ids,) = get_block_ids(req_id)`` raises for a
+    hybrid model. What changes, for more than one group: a request is
+    affected when any of its blocks in any group is invalid; its computed
+    tokens drop to 0 (a Mamba state cannot be resumed from a partial prefix,
+    and P/D hybrids run without prefix caching), and with ``evict_blocks``
+    all its blocks are evicted. One group: upstream's method. Remove when:
+    upstream handles several groups.
+    """
+
+    def _update_requests_with_invalid_blocks(
+        self,
+        requests: Iterable[Any],
+        invalid_block_ids: set[int],
+        num_scheduled_tokens: dict[str, int],
+        evict_blocks: bool = True,
+    ) -> tuple[set[str], int, set[int]]:
+        if len(self.kv_cache_config.kv_cache_groups) <= 1:
+            return super()._update_requests_with_invalid_blocks(
+                requests, invalid_block_ids, num_scheduled_tokens, evict_blocks
+            )
+        affected_request_ids: set[str] = set()
+        affected_tokens = 0
+        blocks_to_evict: set[int] = set()
+        for request in requests:
+            block_ids_by_group = self.kv_cache_manager.get_block_ids(request.request_id)
+            request_block_ids = {
+                block_id
+                for group in block_ids_by_group
+                for block_id in group
+                if block_id != NULL_BLOCK_ID
+            }
+            if request_block_ids.isdisjoint(invalid_block_ids):
+                continue
+            computed_tokens = request.num_computed_tokens - num_scheduled_tokens.get(
+                request.request_id, 0
+            )
+            affected_tokens += max(computed_tokens, 0)
+            request.num_computed_tokens = 0
+            affected_request_ids.add(request.request_id)
+            if evict_blocks:
+                blocks_to_evict |= request_block_ids
+        return affected_request_ids, affected_tokens, blocks_to_evict
+
+
+class NixlHMAScheduler(HybridInvalidBlocksMixin, Scheduler):
+    """vLLM's Scheduler, able to fail or recompute hybrid requests."""
+
+
+class NixlHMAAsyncScheduler(HybridInvalidBlocksMixin, AsyncScheduler):
+    """vLLM's AsyncScheduler, able to fail or recompute hybrid requests."""
+
+
+def make_scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Scheduler:
+    """What vLLM's engine core calls as ``scheduler_cls``: our subclass of the
+    scheduler vLLM would have picked (async or not, known only by now)."""
+    cls = (
+        NixlHMAAsyncScheduler if vllm_config.scheduler_config.async_scheduling else NixlHMAScheduler
+    )
+    return cls(*args, vllm_config=vllm_config, **kwargs)

@@ -134,3 +134,24 @@ def test_install_is_idempotent():
     config_hook.install()
     config_hook.install()
     assert VllmConfig.try_verify_and_update_config is first
+
+
+def test_our_connector_gets_the_scheduler_factory_stock_does_not():
+    from vllm_nixl_hma.scheduler import FACTORY_PATH
+
+    assert build_config(DENSE, "NixlHMAConnector").scheduler_config.scheduler_cls == FACTORY_PATH
+    assert build_config(HYBRID, "NixlHMAConnector").scheduler_config.scheduler_cls == FACTORY_PATH
+    assert build_config(HYBRID, "NixlConnector").scheduler_config.scheduler_cls is None
+
+
+def test_a_users_own_scheduler_class_is_kept():
+    model_config = ModelConfig(model=str(HYBRID), skip_tokenizer_init=True, max_model_len=1024)
+    config = VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig("cpu"),
+        scheduler_config=SchedulerConfig.default_factory(
+            max_model_len=1024, scheduler_cls="my.own.Scheduler"
+        ),
+        kv_transfer_config=KVTransferConfig(kv_connector="NixlHMAConnector", kv_role="kv_both"),
+    )
+    assert config.scheduler_config.scheduler_cls == "my.own.Scheduler"

@@ -60,6 +60,14 @@ method, and every byte of data movement, is upstream's.
     is reported through ``get_block_ids_with_load_errors``; those schedulers
     then apply ``kv_load_failure_policy``. Remove when: upstream does both.
 
+Forgetting a failed prefill engine (``_read_blocks``, ``_handle_failed_transfer``)
+    Why: upstream keeps a remote engine's agents and descriptor lists after a
+    transfer to it failed (a dead or restarted prefill engine), so they leak,
+    and a restarted engine with the same id would be read with stale metadata.
+    How: a failure marks the engine; at the end of the next ``get_finished``
+    with no transfer from it in flight, its descriptor lists are released, its
+    agents removed and its metadata dropped; the next request handshakes afresh.
+
 ``get_finished()``
     Why: upstream looks up the remote engine of every finished receive, and a
     request whose handshake failed names an engine that never registered: a
@@ -243,6 +251,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             local_xfer_side_handle=local_xfer_side_handle,
             remote_xfer_side_handle=remote_xfer_side_handle,
         )
+        if request_id in self._failed_recv_reqs:  # upstream could not set the read up
+            self._forget_remote_engine(dst_engine_id)
 
     def _fail_unalignable_request(
         self,
@@ -581,6 +591,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         for request_id in unregistered:
             self._recving_metadata.pop(request_id, None)
         done_sending, done_recving = super().get_finished()
+        self._release_failed_engines()
         return done_sending, done_recving | unregistered
 
     def _engine_registered(self, engine_id: str) -> bool:
@@ -594,9 +605,52 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
 
     def _handle_failed_transfer(self, req_id: str, handle: int):
         """vLLM 0.21.0 ``NixlConnectorWorker._handle_failed_transfer``, plus
-        the request's blocks in every group under HMA (see the ledger)."""
+        the request's blocks in every group under HMA and forgetting the
+        failed engine (see the ledger)."""
         self._report_invalid_blocks_of(req_id)
         super()._handle_failed_transfer(req_id, handle)
+        meta = self._recving_metadata.get(req_id)
+        if meta is not None and meta.remote is not None:
+            self._forget_remote_engine(meta.remote.engine_id)
+
+    def _forget_remote_engine(self, engine_id: str) -> None:
+        """Mark a remote engine to be forgotten once nothing is in flight
+        from it (see ``_release_failed_engines``)."""
+        self.__dict__.setdefault("_failed_engine_ids", set()).add(engine_id)
+
+    def _release_failed_engines(self) -> None:
+        failed_engine_ids = self.__dict__.get("_failed_engine_ids")
+        if not failed_engine_ids:
+            return
+        in_flight = {
+            meta.remote.engine_id
+            for request_id in self._recving_transfers
+            if (meta := self._recving_metadata.get(request_id)) is not None
+            and meta.remote is not None
+        }
+        for engine_id in tuple(failed_engine_ids - in_flight):
+            failed_engine_ids.discard(engine_id)
+            self._release_remote_engine(engine_id)
+
+    def _release_remote_engine(self, engine_id: str) -> None:
+        """Release what this worker holds for a remote engine, so that nothing
+        leaks and the next request to it handshakes afresh."""
+        with self._handshake_lock:
+            for handle in self.dst_xfer_side_handles.pop(engine_id, {}).values():
+                self.nixl_wrapper.release_dlist_handle(handle)
+            for agent_name in self._remote_agents.pop(engine_id, {}).values():
+                self.nixl_wrapper.remove_remote_agent(agent_name)
+            self.kv_caches_base_addr.pop(engine_id, None)
+            self.dst_num_blocks.pop(engine_id, None)
+            self.tp_mappings.pop(engine_id, None)
+            if self.transfer_topo is not None:
+                # upstream registers an engine once and never forgets it
+                self.transfer_topo._engines.pop(engine_id, None)
+        logger.warning(
+            "NixlHMAConnector: a transfer from engine %s failed; its agents and "
+            "descriptors are released and the next request will handshake again",
+            engine_id,
+        )
 
     def _report_invalid_blocks_of(self, request_id: str) -> None:
         """Mark every local block of a failed request invalid, where the

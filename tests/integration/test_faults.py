@@ -54,3 +54,6 @@ def test_stock_decodes_wrong_kv_or_crashes_on_the_same_faults(outcomes):
     assert stock["stock-prefill"].requests_failed == 0
     for name in ("dead-side-channel", "mismatched-layout"):
         assert stock[name].error is not None and "KeyError" in stock[name].error
+    # vLLM #52234: the read fails, the request is reported received, KV is garbage
+    assert stock["prefill-killed"].requests_failed == 0
+    assert stock["prefill-killed"].silently_wrong_slots > 0

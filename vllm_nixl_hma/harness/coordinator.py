@@ -68,6 +68,9 @@ class Cell:
     prefill_connector: str | None = None
     prefill_model_dir: str | None = None
     dead_side_channel: bool = False
+    # kill the prefill rank processes before this scenario (after the
+    # handshake and the transfers of the earlier ones)
+    kill_prefill_before_scenario: int | None = None
 
 
 @dataclass
@@ -133,6 +136,21 @@ class RankPool:
         if status == "error":
             raise RankError(reply)
         return reply
+
+    def kill(self, index: int) -> None:
+        """Kill a rank process the hard way (SIGKILL), as a crashed engine dies."""
+        self.processes[index].kill()
+        self.processes[index].join(timeout=30)
+
+    def respawn(self, index: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        process = context.Process(target=rank_main, args=(child,), daemon=True)
+        process.start()
+        child.close()
+        self.connections[index] = parent
+        self.processes[index] = process
+        self._receive(index, COMMAND_TIMEOUT_S)
 
     def send(self, index: int, command: str, args: dict[str, Any] | None = None) -> None:
         self.connections[index].send((command, args or {}))
@@ -260,7 +278,12 @@ def run_cell(
             tp_rank: infos[index]["handshake_payload"] for tp_rank, index in enumerate(p_ranks)
         }
         pool.call_all({p_ranks[0]: ("serve_side_channel", {"payloads": payloads})})
-        for scenario, result in zip(cell.scenarios, results, strict=True):
+        prefill_alive = True
+        for number, (scenario, result) in enumerate(zip(cell.scenarios, results, strict=True)):
+            if number == cell.kill_prefill_before_scenario:
+                for index in p_ranks:
+                    pool.kill(index)
+                prefill_alive = False
             progress(
                 f"{cell.connector} {cell.layout} P_TP={cell.p_tp} D_TP={cell.d_tp} {scenario.name}"
             )
@@ -269,22 +292,26 @@ def run_cell(
                 cell,
                 scenario,
                 result,
-                p_ranks,
+                p_ranks if prefill_alive else [],
                 d_ranks,
                 p_info,
                 d_info,
                 side_channel_port,
-                random.Random(seed),
+                random.Random(seed + number),
             )
     except (RankError, TimeoutError) as e:
         for result in results:
             if result.error is None and result.slots_checked == 0:
                 result.error = _first_line(e)
     finally:
+        alive = [i for i in p_ranks + d_ranks if pool.processes[i].is_alive()]
         try:
-            pool.call_all({index: ("teardown", {}) for index in p_ranks + d_ranks})
+            pool.call_all({index: ("teardown", {}) for index in alive})
         except (RankError, TimeoutError):
             pass
+        for index in p_ranks + d_ranks:
+            if not pool.processes[index].is_alive():
+                pool.respawn(index)
     return results
 
 
@@ -356,11 +383,13 @@ def _run_scenario(
     # A failed request counts as failed for vLLM only if every block of it was
     # reported invalid: that is what makes the scheduler fail or recompute it.
     invalid = {b for load in loads.values() for b in load["invalid_block_ids"]}
-    result.requests_failed = sum(
-        1
+    reported_failed = {
+        rid
         for rid, blocks in zip(request_ids, d_blocks, strict=True)
         if rid in failed and {b for group in blocks.logical_ids_by_group for b in group} <= invalid
-    )
+    }
+    result.requests_failed = len(reported_failed)
+
     if not_done:
         result.error = f"{len(not_done)} request(s) not finished in {TRANSFER_TIMEOUT_S:.0f} s"
     elif failed:
@@ -378,7 +407,8 @@ def _run_scenario(
         "first_logical_index_by_group": [b.first_logical_index_by_group for b in d_blocks],
     }
     verdicts = pool.call_all({index: ("verify", verify_args) for index in d_ranks})
-    delivered = {i for i, rid in enumerate(request_ids) if rid not in failed | not_done}
+    # vLLM decodes every finished request whose blocks were not all reported invalid
+    delivered = {i for i, rid in enumerate(request_ids) if rid not in reported_failed | not_done}
     for verdict in verdicts.values():
         result.slots_checked += verdict.slots_checked
         result.mismatched_slots += verdict.mismatched_slots

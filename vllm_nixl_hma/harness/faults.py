@@ -33,6 +33,7 @@ class Fault:
     prefill_connector: str | None = None
     prefill_layout: str | None = None
     dead_side_channel: bool = False
+    kill_prefill: bool = False
 
 
 FAULTS = (
@@ -51,6 +52,12 @@ FAULTS = (
         "mismatched-layout",
         "prefill serves another model layout (one SSM group, other state size)",
         prefill_layout="hybrid-1group",
+    ),
+    Fault(
+        "prefill-killed",
+        "prefill processes are killed (SIGKILL) after the handshake, before decode reads",
+        p_tp=1,
+        kill_prefill=True,
     ),
 )
 
@@ -114,14 +121,19 @@ def run_faults(
                 p_tp=fault.p_tp,
                 d_tp=fault.d_tp,
                 connector=connector,
-                scenarios=[Scenario("mid-block")],
+                # a first batch establishes the handshake when prefill must die later
+                scenarios=[Scenario("mid-block")] * (2 if fault.kill_prefill else 1),
                 prefill_connector=fault.prefill_connector,
                 prefill_model_dir=model_dirs[fault.prefill_layout]
                 if fault.prefill_layout
                 else None,
                 dead_side_channel=fault.dead_side_channel,
+                kill_prefill_before_scenario=1 if fault.kill_prefill else None,
             )
-            (result,) = run_cell(pool, cell, progress)
+            *warmup, result = run_cell(pool, cell, progress)
+            if warmup and not warmup[0].ok:
+                result.error = f"the batch before the fault failed: {warmup[0].error}"
+                result.requests_failed = 0
             results.append(_judge(fault, result))
     finally:
         pool.close()

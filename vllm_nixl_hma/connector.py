@@ -7,12 +7,14 @@ registers the name), or with ``"kv_connector_module_path":"vllm_nixl_hma"``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 from vllm_nixl_hma._compat import require_supported_vllm
 
 require_supported_vllm()
 
+from vllm import envs  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
@@ -25,10 +27,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (  # noq
     NixlConnectorScheduler,
 )
 
-from vllm_nixl_hma.worker import NixlHMAConnectorWorker  # noqa: E402
+from vllm_nixl_hma import lease  # noqa: E402
+from vllm_nixl_hma.worker import LEASE_DEADLINES_ATTR, NixlHMAConnectorWorker  # noqa: E402
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 __all__ = ["NixlHMAConnector"]
 
@@ -36,8 +41,10 @@ __all__ = ["NixlHMAConnector"]
 class NixlHMAConnector(NixlConnector):
     """Drop-in replacement for ``NixlConnector`` for hybrid models under HMA.
 
-    Everything but the worker class is upstream's: the scheduler side, the
-    side-channel handshake server, the wire format.
+    Besides the worker class, it departs from upstream on the scheduler side
+    only to carry the prefill lease (``lease.py``): prefill adds its end to
+    the ``kv_transfer_params`` it returns, decode hands it to its workers with
+    the connector metadata.
     """
 
     #: Worker class built for ``KVConnectorRole.WORKER``.
@@ -78,3 +85,47 @@ class NixlHMAConnector(NixlConnector):
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_cls(vllm_config, self.engine_id, kv_cache_config)
+
+    def request_finished_all_groups(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM 0.21.0 ``NixlConnector.request_finished_all_groups``, plus the
+        lease end. Why: decode must not read blocks prefill may have reused
+        after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``. What changes: when prefill
+        keeps blocks for decode, ``kv_transfer_params`` gains ``lease.PARAM``.
+        Remove when: upstream carries a lease.
+        """
+        delay_free, params = super().request_finished_all_groups(request, block_ids)
+        if delay_free and params is not None:
+            params[lease.PARAM] = lease.lease_deadline(
+                time.time(), envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+            )
+        return delay_free, params
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """As ``request_finished_all_groups``, for engines without HMA."""
+        delay_free, params = super().request_finished(request, block_ids)
+        if delay_free and params is not None:
+            params[lease.PARAM] = lease.lease_deadline(
+                time.time(), envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+            )
+        return delay_free, params
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput):
+        """vLLM 0.21.0 ``NixlConnector.build_connector_meta``, plus the lease
+        ends of the requests to receive (an attribute of the metadata object,
+        read by ``NixlHMAConnectorWorker.start_load_kv``)."""
+        scheduler = self.connector_scheduler
+        deadlines = {}
+        if scheduler is not None:
+            for request_id, (request, _) in scheduler._reqs_need_recv.items():
+                params = request.kv_transfer_params or {}
+                if lease.PARAM in params:
+                    deadlines[request_id] = params[lease.PARAM]
+        metadata = super().build_connector_meta(scheduler_output)
+        setattr(metadata, LEASE_DEADLINES_ATTR, deadlines)
+        return metadata

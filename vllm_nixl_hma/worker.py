@@ -68,6 +68,14 @@ Forgetting a failed prefill engine (``_read_blocks``, ``_handle_failed_transfer`
     with no transfer from it in flight, its descriptor lists are released, its
     agents removed and its metadata dropped; the next request handshakes afresh.
 
+The prefill lease (``start_load_kv``, ``_read_blocks_for_req``, ``get_finished``)
+    Why: prefill frees and may reuse a request's blocks after
+    ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``; upstream decode reads them anyway and
+    decodes on another request's KV. How: a read is not started, and a
+    finished read counts as failed, within ``lease_margin_s`` of the lease end
+    prefill put in ``kv_transfer_params`` (``lease.py``). Remove when:
+    upstream carries a lease.
+
 ``get_finished()``
     Why: upstream looks up the remote engine of every finished receive, and a
     request whose handshake failed names an engine that never registered: a
@@ -120,13 +128,15 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from vllm_nixl_hma import __version__, blocks, handshake, mamba_conv  # noqa: E402
+from vllm_nixl_hma import __version__, blocks, handshake, lease, mamba_conv  # noqa: E402
 from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError  # noqa: E402
 
 __all__ = ["NixlHMAConnectorWorker", "NixlHMAHandshakePayload", "group_kinds_of"]
 
 #: How long decode waits for each side-channel answer (as upstream: 5 s).
 SIDE_CHANNEL_TIMEOUT_MS = 5000
+#: attribute of NixlConnectorMetadata with {request id: lease end} (connector.py)
+LEASE_DEADLINES_ATTR = "vllm_nixl_hma_lease_deadlines"
 
 
 @dataclass
@@ -578,6 +588,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         """
         for request_id in tuple(self._failed_recv_reqs):
             self._report_invalid_blocks_of(request_id)
+            self._lease_deadlines.pop(request_id, None)
         unregistered = set()
         for request_id in tuple(self._failed_recv_reqs):
             meta = self._recving_metadata.get(request_id)
@@ -675,3 +686,51 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             for block_id in group
             if block_id != 0  # vLLM's null block
         )
+
+    # ----------------------------------------------------------- prefill lease
+
+    @functools.cached_property
+    def _lease_margin_s(self) -> float:
+        return float(
+            self.kv_transfer_config.get_from_extra_config("lease_margin_s", lease.DEFAULT_MARGIN_S)
+        )
+
+    @functools.cached_property
+    def _lease_deadlines(self) -> dict[str, float]:
+        return {}
+
+    def start_load_kv(self, metadata):
+        """vLLM 0.21.0 ``NixlConnectorWorker.start_load_kv``, after noting the
+        lease ends the scheduler side attached (see the ledger)."""
+        self._lease_deadlines.update(getattr(metadata, LEASE_DEADLINES_ATTR, {}))
+        super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta):
+        """vLLM 0.21.0 ``NixlConnectorWorker._read_blocks_for_req``, unless the
+        lease has run out: then nothing is read and the request fails."""
+        if lease.expired(self._lease_deadlines.get(req_id), time.time(), self._lease_margin_s):
+            logger.error(
+                "NixlHMAConnector: the prefill lease of request %s ended; its blocks may "
+                "hold another request's KV, so they are not read",
+                req_id,
+            )
+            self._failed_recv_reqs.add(req_id)
+            return
+        super()._read_blocks_for_req(req_id, meta)
+
+    def _pop_done_transfers(self, transfers):
+        """vLLM 0.21.0 ``NixlConnectorWorker._pop_done_transfers``; a read that
+        finished past the lease has its blocks reported invalid (the request's
+        metadata is still there at this point of ``get_finished``)."""
+        done_request_ids = super()._pop_done_transfers(transfers)
+        now = time.time()
+        for request_id in done_request_ids:
+            deadline = self._lease_deadlines.pop(request_id, None)
+            if lease.expired(deadline, now, self._lease_margin_s):
+                logger.error(
+                    "NixlHMAConnector: the read of request %s finished after its prefill "
+                    "lease ended; its KV is not trusted",
+                    request_id,
+                )
+                self._report_invalid_blocks_of(request_id)
+        return done_request_ids

@@ -23,10 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_nixl_hma import lease
 from vllm_nixl_hma.harness.rank import rank_main
 
 COMMAND_TIMEOUT_S = 300.0
 TRANSFER_TIMEOUT_S = 30.0
+LEASE_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
+SHORT_LEASE_S = 0.5
 
 
 @dataclass
@@ -71,6 +74,11 @@ class Cell:
     # kill the prefill rank processes before this scenario (after the
     # handshake and the transfers of the earlier ones)
     kill_prefill_before_scenario: int | None = None
+    # prefill's lease runs out (and its blocks are reused) before decode reads
+    expire_lease: bool = False
+    # after the scenario decode must hold no agent of the prefill engine
+    # (it was refused, unreachable or died): any left counts as leaked
+    remote_agents_must_be_gone: bool = False
 
 
 @dataclass
@@ -345,6 +353,32 @@ def _run_scenario(
     calls.update({index: ("poison", {}) for index in d_ranks})
     pool.call_all(calls)
 
+    lease_s = SHORT_LEASE_S if cell.expire_lease else LEASE_S
+    lease_deadline = lease.lease_deadline(time.time(), lease_s)
+    if cell.expire_lease:
+        # prefill's lease runs out, it frees the blocks and reuses them for
+        # other requests, and only then does decode read
+        pool.call_all(
+            {
+                index: (
+                    "serve",
+                    {
+                        "request_ids": request_ids,
+                        "timeout_s": TRANSFER_TIMEOUT_S,
+                        "lease_s": lease_s,
+                    },
+                )
+                for index in p_ranks
+            }
+        )
+        reused = {
+            **fill_args,
+            "requests": [
+                dict(r, request_index=r["request_index"] + 100) for r in fill_args["requests"]
+            ],
+        }
+        pool.call_all({index: ("fill", reused) for index in p_ranks})
+
     load_requests = [
         {
             "request_id": rid,
@@ -356,11 +390,14 @@ def _run_scenario(
                 "remote_host": "127.0.0.1",
                 "remote_port": free_port() if cell.dead_side_channel else side_channel_port,
                 "tp_size": cell.p_tp,
+                # as NixlHMAConnector.request_finished_all_groups adds on prefill
+                lease.PARAM: lease_deadline,
             },
         }
         for rid, p, d in zip(request_ids, p_blocks, d_blocks, strict=True)
     ]
-    for index in p_ranks:
+    serving = [] if cell.expire_lease else p_ranks
+    for index in serving:
         pool.send(index, "serve", {"request_ids": request_ids, "timeout_s": TRANSFER_TIMEOUT_S})
     for index in d_ranks:
         pool.send(index, "load", {"requests": load_requests, "timeout_s": TRANSFER_TIMEOUT_S})
@@ -371,9 +408,9 @@ def _run_scenario(
             loads[index] = pool._receive(index, COMMAND_TIMEOUT_S)
         except RankError as e:
             load_error = load_error or e
-    for index in p_ranks:
+    for index in serving:
         pool.send(index, "abort")
-    for index in p_ranks:
+    for index in serving:
         pool._receive(index, COMMAND_TIMEOUT_S)
     if load_error is not None:
         result.error = _first_line(load_error)
@@ -398,8 +435,7 @@ def _run_scenario(
     result.bytes = sum(load["bytes"] for load in loads.values())
     result.descriptors = sum(load["descriptors"] for load in loads.values())
     result.leaked_handles = sum(load["pending_transfers"] for load in loads.values())
-    if failed and len(failed) == len(request_ids):
-        # refused at handshake: no remote agent may stay registered
+    if cell.remote_agents_must_be_gone:
         result.leaked_handles += sum(load["remote_agents"] for load in loads.values())
 
     verify_args = {

@@ -34,6 +34,7 @@ class Fault:
     prefill_layout: str | None = None
     dead_side_channel: bool = False
     kill_prefill: bool = False
+    expire_lease: bool = False
 
 
 FAULTS = (
@@ -58,6 +59,12 @@ FAULTS = (
         "prefill processes are killed (SIGKILL) after the handshake, before decode reads",
         p_tp=1,
         kill_prefill=True,
+    ),
+    Fault(
+        "expired-lease",
+        "prefill's lease runs out and it reuses the blocks before decode reads",
+        p_tp=1,
+        expire_lease=True,
     ),
 )
 
@@ -129,6 +136,8 @@ def run_faults(
                 else None,
                 dead_side_channel=fault.dead_side_channel,
                 kill_prefill_before_scenario=1 if fault.kill_prefill else None,
+                expire_lease=fault.expire_lease,
+                remote_agents_must_be_gone=not fault.expire_lease,
             )
             *warmup, result = run_cell(pool, cell, progress)
             if warmup and not warmup[0].ok:

@@ -290,7 +290,7 @@ def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
             engine.mirror.push()
         return engine, None
     if command == "serve":
-        return engine, _serve(engine, args["request_ids"], args["timeout_s"])
+        return engine, _serve(engine, args["request_ids"], args["timeout_s"], args.get("lease_s"))
     if command == "load":
         return engine, _load(engine, args["requests"], args["timeout_s"])
     if command == "verify":
@@ -315,8 +315,11 @@ def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
     raise ValueError(f"unknown command {command!r}")
 
 
-def _serve(engine: RankEngine, request_ids: list[str], timeout_s: float) -> dict[str, Any]:
-    """Prefill: offer the requests' blocks and wait for decode's notifications."""
+def _serve(
+    engine: RankEngine, request_ids: list[str], timeout_s: float, lease_s: float | None = None
+) -> dict[str, Any]:
+    """Prefill: offer the requests' blocks and wait for decode's notifications
+    (or, with ``lease_s``, for the lease to run out and the blocks to be freed)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlConnectorMetadata,
     )
@@ -324,8 +327,10 @@ def _serve(engine: RankEngine, request_ids: list[str], timeout_s: float) -> dict
     worker = engine.worker
     metadata = NixlConnectorMetadata()
     metadata.reqs_in_batch = set(request_ids)
-    # Expiry past our own deadline: a request counts as served only when notified.
-    metadata.reqs_to_send = {rid: time.perf_counter() + 10 * timeout_s for rid in request_ids}
+    # Without a lease: expiry past our own deadline, so a request counts as
+    # served only when notified.
+    expiry = time.perf_counter() + (lease_s if lease_s is not None else 10 * timeout_s)
+    metadata.reqs_to_send = {rid: expiry for rid in request_ids}
     worker.start_load_kv(metadata)
     notified: set[str] = set()
     deadline = time.monotonic() + timeout_s
@@ -358,6 +363,19 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
             local_block_ids=request["local_logical_ids_by_group"],
             kv_transfer_params=request["kv_transfer_params"],
         )
+    # as NixlHMAConnector.build_connector_meta hands lease ends to its workers
+    from vllm_nixl_hma import lease
+    from vllm_nixl_hma.worker import LEASE_DEADLINES_ATTR
+
+    setattr(
+        metadata,
+        LEASE_DEADLINES_ATTR,
+        {
+            r["request_id"]: r["kv_transfer_params"][lease.PARAM]
+            for r in requests
+            if lease.PARAM in r["kv_transfer_params"]
+        },
+    )
     start = time.perf_counter()
     done: set[str] = set()
     failed: set[str] = set()

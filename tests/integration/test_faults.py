@@ -29,13 +29,21 @@ def outcomes(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("fault", [f.name for f in FAULTS])
+@pytest.mark.parametrize("fault", [f.name for f in FAULTS if not f.expect_delivered])
 def test_ours_refuses_every_affected_request_without_wrong_slots_or_leaks(outcomes, fault):
     result = outcomes["NixlHMAConnector"][fault]
     assert result.requests == 3
     assert result.requests_failed == 3, result.error
     assert result.silently_wrong_slots == 0
     assert result.leaked_handles == 0
+    assert result.ok
+
+
+def test_a_lost_notification_costs_decode_nothing_and_prefill_frees_on_its_lease(outcomes):
+    result = outcomes["NixlHMAConnector"]["lost-notification"]
+    assert result.error is None
+    assert result.requests_failed == 0 and result.silently_wrong_slots == 0
+    assert result.prefill_released == 3
     assert result.ok
 
 

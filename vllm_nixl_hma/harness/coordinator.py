@@ -30,6 +30,7 @@ COMMAND_TIMEOUT_S = 300.0
 TRANSFER_TIMEOUT_S = 30.0
 LEASE_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
 SHORT_LEASE_S = 0.5
+LOST_NOTIFICATION_LEASE_S = 2.0
 
 
 @dataclass
@@ -76,6 +77,8 @@ class Cell:
     kill_prefill_before_scenario: int | None = None
     # prefill's lease runs out (and its blocks are reused) before decode reads
     expire_lease: bool = False
+    # prefill loses decode's notifications and frees blocks on its lease
+    lose_notifications: bool = False
     # after the scenario decode must hold no agent of the prefill engine
     # (it was refused, unreachable or died): any left counts as leaked
     remote_agents_must_be_gone: bool = False
@@ -101,6 +104,7 @@ class ScenarioResult:
     requests_failed: int = 0
     silently_wrong_slots: int = 0
     leaked_handles: int = 0
+    prefill_released_by_expiry: int = 0
 
     @property
     def ok(self) -> bool:
@@ -108,7 +112,13 @@ class ScenarioResult:
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
-        for internal in ("examples", "requests_failed", "silently_wrong_slots", "leaked_handles"):
+        for internal in (
+            "examples",
+            "requests_failed",
+            "silently_wrong_slots",
+            "leaked_handles",
+            "prefill_released_by_expiry",
+        ):
             row.pop(internal)
         return row
 
@@ -397,8 +407,11 @@ def _run_scenario(
         for rid, p, d in zip(request_ids, p_blocks, d_blocks, strict=True)
     ]
     serving = [] if cell.expire_lease else p_ranks
+    serve_args: dict[str, Any] = {"request_ids": request_ids, "timeout_s": TRANSFER_TIMEOUT_S}
+    if cell.lose_notifications:
+        serve_args.update(lease_s=LOST_NOTIFICATION_LEASE_S, drop_notifications=True)
     for index in serving:
-        pool.send(index, "serve", {"request_ids": request_ids, "timeout_s": TRANSFER_TIMEOUT_S})
+        pool.send(index, "serve", serve_args)
     for index in d_ranks:
         pool.send(index, "load", {"requests": load_requests, "timeout_s": TRANSFER_TIMEOUT_S})
     load_error = None
@@ -408,10 +421,12 @@ def _run_scenario(
             loads[index] = pool._receive(index, COMMAND_TIMEOUT_S)
         except RankError as e:
             load_error = load_error or e
+    if not cell.lose_notifications:  # else prefill serves until its lease frees the blocks
+        for index in serving:
+            pool.send(index, "abort")
     for index in serving:
-        pool.send(index, "abort")
-    for index in serving:
-        pool._receive(index, COMMAND_TIMEOUT_S)
+        served = pool._receive(index, COMMAND_TIMEOUT_S)
+        result.prefill_released_by_expiry += served["released_by_expiry"]
     if load_error is not None:
         result.error = _first_line(load_error)
         return

@@ -35,6 +35,9 @@ class Fault:
     dead_side_channel: bool = False
     kill_prefill: bool = False
     expire_lease: bool = False
+    lose_notifications: bool = False
+    #: the fault must not cost decode anything: every request delivered intact
+    expect_delivered: bool = False
 
 
 FAULTS = (
@@ -66,6 +69,13 @@ FAULTS = (
         p_tp=1,
         expire_lease=True,
     ),
+    Fault(
+        "lost-notification",
+        "decode's read notifications never reach prefill, which frees on its lease",
+        p_tp=1,
+        lose_notifications=True,
+        expect_delivered=True,
+    ),
 )
 
 
@@ -79,20 +89,26 @@ class FaultResult:
     leaked_handles: int
     requests: int = 0
     error: str | None = None
+    expect_delivered: bool = False
+    prefill_released: int = 0
 
     @property
     def ok(self) -> bool:
-        return (
-            self.requests > 0
-            and self.requests_failed + self.requests_recovered == self.requests
-            and self.silently_wrong_slots == 0
-            and self.leaked_handles == 0
-        )
+        if self.requests == 0 or self.silently_wrong_slots or self.leaked_handles:
+            return False
+        if self.expect_delivered:
+            # nothing failed, and prefill freed every request's blocks itself
+            return (
+                self.error is None
+                and self.requests_failed == 0
+                and self.prefill_released == self.requests
+            )
+        return self.requests_failed + self.requests_recovered == self.requests
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
-        row.pop("requests")
-        row.pop("error")
+        for internal in ("requests", "error", "expect_delivered", "prefill_released"):
+            row.pop(internal)
         return row
 
 
@@ -106,6 +122,8 @@ def _judge(fault: Fault, result: ScenarioResult) -> FaultResult:
         leaked_handles=result.leaked_handles,
         requests=result.requests,
         error=result.error,
+        expect_delivered=fault.expect_delivered,
+        prefill_released=result.prefill_released_by_expiry,
     )
 
 
@@ -137,7 +155,8 @@ def run_faults(
                 dead_side_channel=fault.dead_side_channel,
                 kill_prefill_before_scenario=1 if fault.kill_prefill else None,
                 expire_lease=fault.expire_lease,
-                remote_agents_must_be_gone=not fault.expire_lease,
+                lose_notifications=fault.lose_notifications,
+                remote_agents_must_be_gone=not (fault.expire_lease or fault.lose_notifications),
             )
             *warmup, result = run_cell(pool, cell, progress)
             if warmup and not warmup[0].ok:

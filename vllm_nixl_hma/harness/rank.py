@@ -290,7 +290,13 @@ def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
             engine.mirror.push()
         return engine, None
     if command == "serve":
-        return engine, _serve(engine, args["request_ids"], args["timeout_s"], args.get("lease_s"))
+        return engine, _serve(
+            engine,
+            args["request_ids"],
+            args["timeout_s"],
+            args.get("lease_s"),
+            args.get("drop_notifications", False),
+        )
     if command == "load":
         return engine, _load(engine, args["requests"], args["timeout_s"])
     if command == "verify":
@@ -316,10 +322,15 @@ def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
 
 
 def _serve(
-    engine: RankEngine, request_ids: list[str], timeout_s: float, lease_s: float | None = None
+    engine: RankEngine,
+    request_ids: list[str],
+    timeout_s: float,
+    lease_s: float | None = None,
+    drop_notifications: bool = False,
 ) -> dict[str, Any]:
     """Prefill: offer the requests' blocks and wait for decode's notifications
-    (or, with ``lease_s``, for the lease to run out and the blocks to be freed)."""
+    (or, with ``lease_s``, for the lease to run out and the blocks to be freed).
+    ``drop_notifications`` loses decode's notifications on the way."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlConnectorMetadata,
     )
@@ -335,16 +346,31 @@ def _serve(
     notified: set[str] = set()
     deadline = time.monotonic() + timeout_s
     aborted = False
-    while notified != set(request_ids) and time.monotonic() < deadline:
-        done_sending, _ = worker.get_finished()
-        notified |= done_sending
-        if _CONNECTION is not None and _CONNECTION.poll():
-            command, _ = _CONNECTION.recv()
-            if command == "abort":  # decode is done (or failed): stop waiting
-                aborted = True
-                break
-        time.sleep(POLL_SECONDS)
-    return {"notified": sorted(notified), "aborted": aborted}
+    worker.xfer_stats.reset()
+    if drop_notifications:
+        # the fault: whatever decode notifies is read off the wire and lost
+        def lose_notifications() -> set[str]:
+            worker.nixl_wrapper.get_new_notifs()
+            return set()
+
+        worker._get_new_notifs = lose_notifications
+    try:
+        while notified != set(request_ids) and time.monotonic() < deadline:
+            done_sending, _ = worker.get_finished()
+            notified |= done_sending
+            if _CONNECTION is not None and _CONNECTION.poll():
+                command, _ = _CONNECTION.recv()
+                if command == "abort":  # decode is done (or failed): stop waiting
+                    aborted = True
+                    break
+            time.sleep(POLL_SECONDS)
+    finally:
+        worker.__dict__.pop("_get_new_notifs", None)
+    return {
+        "notified": sorted(notified),
+        "aborted": aborted,
+        "released_by_expiry": len(worker.xfer_stats.data["num_kv_expired_reqs"]),
+    }
 
 
 def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:

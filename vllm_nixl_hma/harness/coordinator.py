@@ -39,6 +39,8 @@ class Scenario:
     logical block sizes are known."""
 
     name: str  # "mid-block" or "boundary"
+    #: fault injection: decode is sent to a side-channel port nobody listens on
+    dead_side_channel: bool = False
 
     def prompt_tokens(self, prefill_block_tokens: int, decode_block_tokens: int) -> list[int]:
         larger = max(prefill_block_tokens, decode_block_tokens)
@@ -71,7 +73,6 @@ class Cell:
     # prefill side, or a side-channel port nobody listens on.
     prefill_connector: str | None = None
     prefill_model_dir: str | None = None
-    dead_side_channel: bool = False
     # kill the prefill rank processes before this scenario (after the
     # handshake and the transfers of the earlier ones)
     kill_prefill_before_scenario: int | None = None
@@ -346,7 +347,8 @@ def _run_scenario(
     )
     p_blocks = allocate(p_info, prompt_tokens, rng)
     d_blocks = allocate(d_info, prompt_tokens, rng)
-    request_ids = [f"{scenario.name}-{i}-{side_channel_port}" for i in range(len(prompt_tokens))]
+    batch = f"{scenario.name}-{rng.randrange(1 << 30)}"
+    request_ids = [f"{batch}-{i}" for i in range(len(prompt_tokens))]
     result.requests = len(prompt_tokens)
 
     def oracle_requests(blocks: list[SideBlocks]):
@@ -398,7 +400,7 @@ def _run_scenario(
                 "remote_engine_id": f"prefill-{side_channel_port}",
                 "remote_request_id": rid,
                 "remote_host": "127.0.0.1",
-                "remote_port": free_port() if cell.dead_side_channel else side_channel_port,
+                "remote_port": free_port() if scenario.dead_side_channel else side_channel_port,
                 "tp_size": cell.p_tp,
                 # as NixlHMAConnector.request_finished_all_groups adds on prefill
                 lease.PARAM: lease_deadline,

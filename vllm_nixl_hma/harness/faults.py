@@ -48,7 +48,8 @@ FAULTS = (
     ),
     Fault(
         "dead-side-channel",
-        "the prefill side channel named in kv_transfer_params is not listening",
+        "the prefill side channel named in kv_transfer_params is not listening; "
+        "then a batch to the live one must still succeed",
         p_tp=1,
         dead_side_channel=True,
     ),
@@ -127,6 +128,14 @@ def _judge(fault: Fault, result: ScenarioResult) -> FaultResult:
     )
 
 
+def _scenarios(fault: Fault) -> list[Scenario]:
+    if fault.kill_prefill:
+        return [Scenario("mid-block"), Scenario("mid-block")]
+    if fault.dead_side_channel:
+        return [Scenario("mid-block", dead_side_channel=True), Scenario("mid-block")]
+    return [Scenario("mid-block")]
+
+
 def run_faults(
     faults: tuple[Fault, ...],
     connector: str,
@@ -146,22 +155,29 @@ def run_faults(
                 p_tp=fault.p_tp,
                 d_tp=fault.d_tp,
                 connector=connector,
-                # a first batch establishes the handshake when prefill must die later
-                scenarios=[Scenario("mid-block")] * (2 if fault.kill_prefill else 1),
+                scenarios=_scenarios(fault),
                 prefill_connector=fault.prefill_connector,
                 prefill_model_dir=model_dirs[fault.prefill_layout]
                 if fault.prefill_layout
                 else None,
-                dead_side_channel=fault.dead_side_channel,
                 kill_prefill_before_scenario=1 if fault.kill_prefill else None,
                 expire_lease=fault.expire_lease,
                 lose_notifications=fault.lose_notifications,
                 remote_agents_must_be_gone=not (fault.expire_lease or fault.lose_notifications),
             )
-            *warmup, result = run_cell(pool, cell, progress)
-            if warmup and not warmup[0].ok:
-                result.error = f"the batch before the fault failed: {warmup[0].error}"
-                result.requests_failed = 0
+            batches = run_cell(pool, cell, progress)
+            if fault.kill_prefill:  # a first batch establishes the handshake
+                warmup, result = batches
+                if not warmup.ok:
+                    result.error = f"the batch before the fault failed: {warmup.error}"
+                    result.requests_failed = 0
+            elif fault.dead_side_channel:  # decode must go on serving the live engine
+                result, after = batches
+                if not after.ok:
+                    result.error = f"the batch after the fault failed: {after.error}"
+                    result.requests_failed = 0
+            else:
+                (result,) = batches
             results.append(_judge(fault, result))
     finally:
         pool.close()

@@ -708,7 +708,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
     def _read_blocks_for_req(self, req_id: str, meta):
         """vLLM 0.21.0 ``NixlConnectorWorker._read_blocks_for_req``, unless the
         lease has run out: then nothing is read and the request fails."""
-        if lease.expired(self._lease_deadlines.get(req_id), time.time(), self._lease_margin_s):
+        deadline = self._lease_deadlines.get(req_id)
+        if deadline is not None and lease.expired(deadline, time.time(), self._lease_margin_s):
             logger.error(
                 "NixlHMAConnector: the prefill lease of request %s ended; its blocks may "
                 "hold another request's KV, so they are not read",
@@ -726,7 +727,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         now = time.time()
         for request_id in done_request_ids:
             deadline = self._lease_deadlines.pop(request_id, None)
-            if lease.expired(deadline, now, self._lease_margin_s):
+            if deadline is not None and lease.expired(deadline, now, self._lease_margin_s):
                 logger.error(
                     "NixlHMAConnector: the read of request %s finished after its prefill "
                     "lease ended; its KV is not trusted",

@@ -65,6 +65,8 @@ def test_stock_decodes_wrong_kv_or_crashes_on_the_same_faults(outcomes):
     # vLLM #52234: the read fails, the request is reported received, KV is garbage
     assert stock["prefill-killed"].requests_failed == 0
     assert stock["prefill-killed"].silently_wrong_slots > 0
+    assert stock["prefill-killed-mid-read"].requests_failed == 0
+    assert stock["prefill-killed-mid-read"].silently_wrong_slots > 0
     # prefill reused the blocks after its lease: stock reads another request's KV
     assert stock["expired-lease"].requests_failed == 0
     assert stock["expired-lease"].silently_wrong_slots > 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import random
 import socket
 import tempfile
@@ -41,6 +42,8 @@ class Scenario:
     name: str  # "mid-block" or "boundary"
     #: fault injection: decode is sent to a side-channel port nobody listens on
     dead_side_channel: bool = False
+    #: fault injection: prefill is killed this long after decode posted its reads
+    kill_prefill_after_s: float | None = None
 
     def prompt_tokens(self, prefill_block_tokens: int, decode_block_tokens: int) -> list[int]:
         larger = max(prefill_block_tokens, decode_block_tokens)
@@ -48,6 +51,9 @@ class Scenario:
         if self.name == "mid-block":
             # block sizes are multiples of 16: none of these ends on a boundary
             return [2 * larger + 7, larger + smaller // 2 + 5, 5]
+        if self.name == "long":
+            # big enough that reads over TCP take a few hundred milliseconds
+            return [1200 * larger + 7, 1200 * larger + 11, 1200 * larger + 13]
         if self.name == "boundary":
             both = math.lcm(prefill_block_tokens, decode_block_tokens)
             return [
@@ -133,17 +139,28 @@ def free_port() -> int:
 class RankPool:
     """Spawned rank processes, each importing vLLM once."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, env: dict[str, str] | None = None):
+        """``env``: extra environment of the rank processes (e.g. UCX_TLS)."""
         context = multiprocessing.get_context("spawn")
         self.connections = []
         self.processes = []
-        for _ in range(size):
-            parent, child = context.Pipe()
-            process = context.Process(target=rank_main, args=(child,), daemon=True)
-            process.start()
-            child.close()
-            self.connections.append(parent)
-            self.processes.append(process)
+        self.env = dict(env or {})
+        saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)  # spawned children copy the parent's environment
+        try:
+            for _ in range(size):
+                parent, child = context.Pipe()
+                process = context.Process(target=rank_main, args=(child,), daemon=True)
+                process.start()
+                child.close()
+                self.connections.append(parent)
+                self.processes.append(process)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         for index in range(size):
             self._receive(index, COMMAND_TIMEOUT_S)
 
@@ -164,8 +181,17 @@ class RankPool:
     def respawn(self, index: int) -> None:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
-        process = context.Process(target=rank_main, args=(child,), daemon=True)
-        process.start()
+        saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
+        try:
+            process = context.Process(target=rank_main, args=(child,), daemon=True)
+            process.start()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         child.close()
         self.connections[index] = parent
         self.processes[index] = process
@@ -416,6 +442,11 @@ def _run_scenario(
         pool.send(index, "serve", serve_args)
     for index in d_ranks:
         pool.send(index, "load", {"requests": load_requests, "timeout_s": TRANSFER_TIMEOUT_S})
+    if scenario.kill_prefill_after_s is not None:
+        time.sleep(scenario.kill_prefill_after_s)
+        for index in p_ranks:
+            pool.kill(index)
+        serving = []
     load_error = None
     loads = {}
     for index in d_ranks:
@@ -434,15 +465,16 @@ def _run_scenario(
         return
     not_done = {rid for load in loads.values() for rid in set(request_ids) - set(load["done"])}
     failed = {rid for load in loads.values() for rid in load["failed"]}
-    # A failed request counts as failed for vLLM only if every block of it was
+    # A request counts as failed for vLLM only if every block of it was
     # reported invalid: that is what makes the scheduler fail or recompute it.
     invalid = {b for load in loads.values() for b in load["invalid_block_ids"]}
     reported_failed = {
         rid
         for rid, blocks in zip(request_ids, d_blocks, strict=True)
-        if rid in failed and {b for group in blocks.logical_ids_by_group for b in group} <= invalid
+        if {b for group in blocks.logical_ids_by_group for b in group} <= invalid
     }
     result.requests_failed = len(reported_failed)
+    failed |= reported_failed  # a failed transfer ends as "received" upstream
 
     if not_done:
         result.error = f"{len(not_done)} request(s) not finished in {TRANSFER_TIMEOUT_S:.0f} s"

@@ -36,6 +36,7 @@ class Fault:
     kill_prefill: bool = False
     expire_lease: bool = False
     lose_notifications: bool = False
+    kill_prefill_mid_read: bool = False
     #: the fault must not cost decode anything: every request delivered intact
     expect_delivered: bool = False
 
@@ -63,6 +64,13 @@ FAULTS = (
         "prefill processes are killed (SIGKILL) after the handshake, before decode reads",
         p_tp=1,
         kill_prefill=True,
+    ),
+    Fault(
+        "prefill-killed-mid-read",
+        "prefill processes are killed (SIGKILL) while decode's reads are in flight "
+        "(UCX over TCP, so that the reads take long enough to be interrupted)",
+        p_tp=1,
+        kill_prefill_mid_read=True,
     ),
     Fault(
         "expired-lease",
@@ -128,7 +136,12 @@ def _judge(fault: Fault, result: ScenarioResult) -> FaultResult:
     )
 
 
+KILL_AFTER_S = 0.05
+
+
 def _scenarios(fault: Fault) -> list[Scenario]:
+    if fault.kill_prefill_mid_read:
+        return [Scenario("mid-block"), Scenario("long", kill_prefill_after_s=KILL_AFTER_S)]
     if fault.kill_prefill:
         return [Scenario("mid-block"), Scenario("mid-block")]
     if fault.dead_side_channel:
@@ -144,7 +157,14 @@ def run_faults(
     layout: str = "hybrid",
 ) -> list[FaultResult]:
     model_dirs = {name: model_dir_for(LAYOUTS[name], workdir) for name in LAYOUTS}
-    pool = RankPool(max(f.p_tp + f.d_tp for f in faults))
+    size = max(f.p_tp + f.d_tp for f in faults)
+    pool = RankPool(size)
+    # reads slow enough (UCX over TCP) to be interrupted; its own processes
+    tcp_pool = (
+        RankPool(2, env={"UCX_TLS": "tcp"})
+        if any(f.kill_prefill_mid_read for f in faults)
+        else None
+    )
     results = []
     try:
         for fault in faults:
@@ -165,11 +185,17 @@ def run_faults(
                 lose_notifications=fault.lose_notifications,
                 remote_agents_must_be_gone=not (fault.expire_lease or fault.lose_notifications),
             )
-            batches = run_cell(pool, cell, progress)
-            if fault.kill_prefill:  # a first batch establishes the handshake
+            if fault.kill_prefill_mid_read:
+                cell.num_gpu_blocks = 4096
+            batches = run_cell(tcp_pool if fault.kill_prefill_mid_read else pool, cell, progress)
+            if fault.kill_prefill or fault.kill_prefill_mid_read:
+                # a first batch establishes the handshake
                 warmup, result = batches
                 if not warmup.ok:
                     result.error = f"the batch before the fault failed: {warmup.error}"
+                    result.requests_failed = 0
+                elif fault.kill_prefill_mid_read and result.seconds <= KILL_AFTER_S:
+                    result.error = "the reads finished before prefill was killed"
                     result.requests_failed = 0
             elif fault.dead_side_channel:  # decode must go on serving the live engine
                 result, after = batches
@@ -181,6 +207,8 @@ def run_faults(
             results.append(_judge(fault, result))
     finally:
         pool.close()
+        if tcp_pool is not None:
+            tcp_pool.close()
     return results
 
 

@@ -86,8 +86,8 @@ class Cell:
     expire_lease: bool = False
     # prefill loses decode's notifications and frees blocks on its lease
     lose_notifications: bool = False
-    # after the scenario decode must hold no agent of the prefill engine
-    # (it was refused, unreachable or died): any left counts as leaked
+    # after the scenario decode must hold no agent or descriptor list of the
+    # prefill engine (it was refused, unreachable or died): any left is leaked
     remote_agents_must_be_gone: bool = False
 
 
@@ -485,7 +485,9 @@ def _run_scenario(
     result.descriptors = sum(load["descriptors"] for load in loads.values())
     result.leaked_handles = sum(load["pending_transfers"] for load in loads.values())
     if cell.remote_agents_must_be_gone:
-        result.leaked_handles += sum(load["remote_agents"] for load in loads.values())
+        result.leaked_handles += sum(
+            load["remote_agents"] + load["remote_dlists"] for load in loads.values()
+        )
 
     verify_args = {
         "requests": oracle_requests(d_blocks),

@@ -429,6 +429,7 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
         "failed_transfers": len(data["num_failed_transfers"]),
         "pending_transfers": sum(len(h) for h in worker._recving_transfers.values()),
         "remote_agents": sum(len(agents) for agents in worker._remote_agents.values()),
+        "remote_dlists": sum(len(h) for h in worker.dst_xfer_side_handles.values()),
     }
 
 

@@ -213,7 +213,7 @@ def run_faults(
 
 
 FAULT_COLUMNS = (
-    ("fault", 18, lambda r: r.name),
+    ("fault", 23, lambda r: r.name),
     ("reqs", 4, lambda r: r.requests),
     ("failed", 6, lambda r: r.requests_failed),
     ("recovered", 9, lambda r: r.requests_recovered),

@@ -141,28 +141,33 @@ class RankPool:
 
     def __init__(self, size: int, env: dict[str, str] | None = None):
         """``env``: extra environment of the rank processes (e.g. UCX_TLS)."""
-        context = multiprocessing.get_context("spawn")
+        self.env = dict(env or {})
         self.connections = []
         self.processes = []
-        self.env = dict(env or {})
+        for _ in range(size):
+            connection, process = self._spawn()
+            self.connections.append(connection)
+            self.processes.append(process)
+        for index in range(size):
+            self._receive(index, COMMAND_TIMEOUT_S)
+
+    def _spawn(self):
+        """Start one rank process with ``self.env`` added to its environment."""
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
         saved = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)  # spawned children copy the parent's environment
+        os.environ.update(self.env)  # a spawned child copies the parent's environment
         try:
-            for _ in range(size):
-                parent, child = context.Pipe()
-                process = context.Process(target=rank_main, args=(child,), daemon=True)
-                process.start()
-                child.close()
-                self.connections.append(parent)
-                self.processes.append(process)
+            process = context.Process(target=rank_main, args=(child,), daemon=True)
+            process.start()
         finally:
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-        for index in range(size):
-            self._receive(index, COMMAND_TIMEOUT_S)
+        child.close()
+        return parent, process
 
     def _receive(self, index: int, timeout_s: float):
         connection = self.connections[index]
@@ -179,22 +184,7 @@ class RankPool:
         self.processes[index].join(timeout=30)
 
     def respawn(self, index: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        parent, child = context.Pipe()
-        saved = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)
-        try:
-            process = context.Process(target=rank_main, args=(child,), daemon=True)
-            process.start()
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-        child.close()
-        self.connections[index] = parent
-        self.processes[index] = process
+        self.connections[index], self.processes[index] = self._spawn()
         self._receive(index, COMMAND_TIMEOUT_S)
 
     def send(self, index: int, command: str, args: dict[str, Any] | None = None) -> None:

@@ -14,134 +14,43 @@ must fail there, which shows the checks can catch the bug.
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
-from vllm.distributed.kv_transfer.kv_connector.utils import (
-    EngineTransferInfo,
-    TransferTopology,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
     RemoteMeta,
     ReqMeta,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
-from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    MambaSpec,
-    SlidingWindowSpec,
-)
 
 from tests.reference import FULL, MAMBA, SWA, build_side, pairing_errors
 from vllm_nixl_hma import NixlHMAConnectorWorker
 from vllm_nixl_hma.errors import IncompatibleRemoteError
+from vllm_nixl_hma.harness.read_path import (
+    LOCAL_XFER_HANDLE,
+    REMOTE_ENGINE,
+    REMOTE_XFER_HANDLE,
+    build_read_path_worker,
+)
 
 KERNEL_BLOCK_TOKENS = 16
 LOGICAL_BLOCKS = 64
 WINDOW_TOKENS = 40
-LOCAL_ENGINE = "decode-engine"
-REMOTE_ENGINE = "prefill-engine"
-LOCAL_XFER_HANDLE = 101
-REMOTE_XFER_HANDLE = 202
-
-
-def kv_cache_config(group_kinds: list[str], physical_per_logical: int) -> KVCacheConfig:
-    logical_block_tokens = physical_per_logical * KERNEL_BLOCK_TOKENS
-    groups = []
-    for index, kind in enumerate(group_kinds):
-        if kind == MAMBA:
-            spec = MambaSpec(
-                shapes=((8, 4), (2, 8, 4)),
-                dtypes=(torch.bfloat16, torch.bfloat16),
-                block_size=4096,
-            )
-        elif kind == SWA:
-            spec = SlidingWindowSpec(
-                block_size=logical_block_tokens,
-                num_kv_heads=1,
-                head_size=8,
-                dtype=torch.bfloat16,
-                sliding_window=WINDOW_TOKENS,
-            )
-        else:
-            spec = FullAttentionSpec(
-                block_size=logical_block_tokens, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
-            )
-        groups.append(KVCacheGroupSpec(layer_names=[f"layers.{index}"], kv_cache_spec=spec))
-    tensors = [KVCacheTensor(size=1 << 20, shared_by=[g.layer_names[0] for g in groups])]
-    return KVCacheConfig(
-        num_blocks=LOGICAL_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups
-    )
 
 
 def read_path_worker(worker_cls, group_kinds, local_ratio, remote_ratio, nixl_wrapper):
-    """A decode worker (TP 1) after a handshake with a prefill engine (TP 1).
-
-    Sets the state that register_kv_caches and add_remote_agent would set:
-    the read path methods under test are upstream's and ours, unmodified.
-    """
-    worker = object.__new__(worker_cls)
-    config = kv_cache_config(group_kinds, local_ratio)
-    has_mamba = MAMBA in group_kinds
-    worker.kv_cache_config = config
-    worker._group_spec_types = tuple(type(g.kv_cache_spec) for g in config.kv_cache_groups)
-    worker._physical_blocks_per_logical_kv_block = local_ratio
-    worker.block_size = KERNEL_BLOCK_TOKENS
-    worker._has_mamba = has_mamba
-    worker._is_hma_required = len(group_kinds) > 1
-    worker.use_mla = False
-    worker.engine_id = LOCAL_ENGINE
-    worker.tp_rank = 0
-    worker.world_size = 1
-    worker.num_regions = 2
-    worker.block_len_per_layer = [1024, 1024]
-    worker.transfer_topo = TransferTopology(
-        tp_rank=0,
-        tp_size=1,
-        block_size=KERNEL_BLOCK_TOKENS,
-        engine_id=LOCAL_ENGINE,
-        is_mla=False,
-        is_mamba=has_mamba,
-        total_num_kv_heads=1,
-        attn_backends=[FlashInferBackend],
+    return build_read_path_worker(
+        worker_cls,
+        group_kinds,
+        local_ratio,
+        remote_ratio,
+        nixl_wrapper,
+        logical_blocks=LOGICAL_BLOCKS,
+        kernel_block_tokens=KERNEL_BLOCK_TOKENS,
+        window_tokens=WINDOW_TOKENS,
     )
-    worker.transfer_topo.register_remote_engine(
-        REMOTE_ENGINE,
-        EngineTransferInfo(
-            remote_tp_size=1,
-            remote_block_len=1024,
-            remote_block_size=KERNEL_BLOCK_TOKENS,
-            remote_physical_blocks_per_logical=remote_ratio,
-        ),
-    )
-    worker.tp_mappings = {
-        REMOTE_ENGINE: compute_tp_mapping(worker.transfer_topo, 1, worker._group_spec_types)
-    }
-    worker.dst_num_blocks = {
-        LOCAL_ENGINE: LOGICAL_BLOCKS * local_ratio,
-        REMOTE_ENGINE: LOGICAL_BLOCKS * remote_ratio,
-    }
-    worker.src_xfer_handles_by_block_size = {KERNEL_BLOCK_TOKENS: LOCAL_XFER_HANDLE}
-    worker.src_xfer_handles_by_tp_ratio = {}
-    worker.dst_xfer_side_handles = {REMOTE_ENGINE: {0: REMOTE_XFER_HANDLE}}
-    worker._remote_agents = {REMOTE_ENGINE: {0: "prefill-agent-0"}}
-    worker.nixl_wrapper = nixl_wrapper
-    worker._recving_transfers = defaultdict(list)
-    worker._recving_metadata = {}
-    worker._invalid_block_ids = set()
-    worker._failed_recv_reqs = set()
-    worker.xfer_stats = NixlKVConnectorStats()
-    return worker
 
 
 def decode_desc_ids(desc_ids, num_kernel_blocks, physical_per_logical, has_mamba):

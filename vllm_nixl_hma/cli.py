@@ -168,6 +168,18 @@ def render_table(results, faults=()) -> str:
     return "\n".join(lines)
 
 
+def reserve_stdout_for_json():
+    """vLLM logs to stdout, in this process and in processes that inherit its
+    descriptors: point fd 1 at stderr and return a stream on the real stdout,
+    for the one JSON object."""
+    import os
+
+    sys.stdout.flush()
+    json_stream = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return json_stream
+
+
 def run_check(args: argparse.Namespace) -> int:
     import os
 
@@ -182,12 +194,7 @@ def run_check(args: argparse.Namespace) -> int:
             return ExitCode.USAGE_ERROR
     from vllm_nixl_hma.harness.coordinator import run_cells
 
-    # vLLM logs to stdout, in this process and in the rank processes that
-    # inherit its descriptors: point fd 1 at stderr and keep the real stdout
-    # for the one JSON object.
-    sys.stdout.flush()
-    json_stream = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    json_stream = reserve_stdout_for_json()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm-nixl-hma-check-") as workdir:
         cells = _cells(args, Path(workdir))

@@ -150,6 +150,13 @@ class NixlHMAHandshakePayload(NixlHandshakePayload):
 logger = init_logger(f"vllm.{__name__}")
 
 
+def _same_lengths(local_ids_by_group, remote_ids_by_group) -> bool:
+    return len(local_ids_by_group) == len(remote_ids_by_group) and all(
+        len(local) == len(remote)
+        for local, remote in zip(local_ids_by_group, remote_ids_by_group, strict=True)
+    )
+
+
 def group_kinds_of(kv_cache_config: KVCacheConfig) -> tuple[blocks.GroupKind, ...]:
     """The ``blocks.GroupKind`` of every KV cache group, in group order."""
     kinds = []
@@ -183,6 +190,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         through unchanged. Remove when: vLLM >= 0.22.0 is the minimum.
         """
         remote_logical_ids_by_group = block_ids
+        if remote_physical_per_logical == 1:  # kernel ids are the logical ids
+            return remote_logical_ids_by_group
         remote_kernel_ids_by_group = blocks.logical_to_kernel_ids_by_group(
             remote_logical_ids_by_group, self._group_kinds, remote_physical_per_logical
         )
@@ -235,7 +244,11 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         before anything is read, as upstream does with a failed transfer
         setup. Remove when: vLLM >= 0.22.0 is the minimum.
         """
-        if len(read_spec.local_block_ids) > 0:
+        if len(read_spec.local_block_ids) > 0 and not _same_lengths(
+            read_spec.local_block_ids, read_spec.remote_block_ids
+        ):
+            # (equal lengths in every group pair index by index under every
+            # rule, so the common case skips the conversions)
             if self.transfer_topo is None:
                 raise RuntimeError("_read_blocks called before register_kv_caches")
             remote_info = self.transfer_topo.get_engine_info(dst_engine_id)

@@ -38,20 +38,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "head_dim": 16,
     },
-    # Full attention + sliding window: two HMA groups sharing pages.
-    "swa": {
-        **_COMMON,
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "sliding_window": 40,
-        "layer_types": ["sliding_attention", "full_attention"],
-    },
     # Attention + Mamba2 (Bamba), 2 SSM groups, 1 KV head: the Mamba page
     # per rank halves with each doubling of TP, the attention page does not.
     # Kernel block 16 and ratio 5 at TP 1, 3 at TP 2 (1 with kernel 32 at TP 4).
@@ -75,6 +61,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "mamba_conv_bias": True,
         "mamba_proj_bias": False,
     },
+}
+# Full attention + sliding window: two HMA groups sharing pages.
+LAYOUTS["swa"] = {
+    **LAYOUTS["dense"],
+    "sliding_window": 40,
+    "layer_types": ["sliding_attention", "full_attention"],
 }
 # granite-4.0-h-like: one SSM group, replicated on every rank when TP > 1
 # (design.md section 8). Kernel block 16; ratio 9 at TP 1, 5 at TP 2, 3 at TP 4.

@@ -14,6 +14,11 @@ from vllm_nixl_hma.harness.faults import FAULTS, run_faults
 
 pytestmark = pytest.mark.slow
 
+# The mid-read kill needs its own UCX-over-TCP rank processes; once in about
+# ten runs a stock warm-up batch there stalled until the 300 s command timeout,
+# so it runs in `vllm-nixl-hma check --faults`, not in CI.
+CI_FAULTS = tuple(f for f in FAULTS if not f.kill_prefill_mid_read)
+
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
@@ -22,14 +27,14 @@ def outcomes(tmp_path_factory):
         connector: {
             r.name: r
             for r in run_faults(
-                FAULTS, connector, tmp_path_factory.mktemp(connector), lambda line: None
+                CI_FAULTS, connector, tmp_path_factory.mktemp(connector), lambda line: None
             )
         }
         for connector in ("NixlHMAConnector", "NixlConnector")
     }
 
 
-@pytest.mark.parametrize("fault", [f.name for f in FAULTS if not f.expect_delivered])
+@pytest.mark.parametrize("fault", [f.name for f in CI_FAULTS if not f.expect_delivered])
 def test_ours_refuses_every_affected_request_without_wrong_slots_or_leaks(outcomes, fault):
     result = outcomes["NixlHMAConnector"][fault]
     assert result.requests == 3
@@ -65,8 +70,6 @@ def test_stock_decodes_wrong_kv_or_crashes_on_the_same_faults(outcomes):
     # vLLM #52234: the read fails, the request is reported received, KV is garbage
     assert stock["prefill-killed"].requests_failed == 0
     assert stock["prefill-killed"].silently_wrong_slots > 0
-    assert stock["prefill-killed-mid-read"].requests_failed == 0
-    assert stock["prefill-killed-mid-read"].silently_wrong_slots > 0
     # prefill reused the blocks after its lease: stock reads another request's KV
     assert stock["expired-lease"].requests_failed == 0
     assert stock["expired-lease"].silently_wrong_slots > 0

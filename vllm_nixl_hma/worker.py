@@ -594,16 +594,18 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         """vLLM 0.21.0 ``NixlConnectorWorker.get_finished``.
 
         Why: upstream raises KeyError on a failed request whose remote engine
-        never registered (refused or unreachable at handshake). What changes:
-        those requests are removed from ``_failed_recv_reqs`` and
-        ``_recving_metadata`` before upstream runs and added to its
-        ``done_recving``. Remove when: upstream tolerates them.
+        never registered (refused or unreachable at handshake), and under HMA
+        reports no invalid block for any failed request. What changes: each
+        failed request, taken once from a snapshot of ``_failed_recv_reqs``
+        (the handshake thread adds to it), has its blocks reported invalid;
+        those of unregistered engines are removed from ``_failed_recv_reqs``
+        and ``_recving_metadata`` before upstream runs and added to its
+        ``done_recving``. Remove when: upstream does both.
         """
+        unregistered = set()
         for request_id in tuple(self._failed_recv_reqs):
             self._report_invalid_blocks_of(request_id)
             self._lease_deadlines.pop(request_id, None)
-        unregistered = set()
-        for request_id in tuple(self._failed_recv_reqs):
             meta = self._recving_metadata.get(request_id)
             if (
                 meta is None

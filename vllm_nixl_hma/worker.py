@@ -83,6 +83,18 @@ The prefill lease (``start_load_kv``, ``_read_blocks_for_req``, ``get_finished``
     How: such requests are taken out first and reported finished (failed)
     without the lookup. Remove when: upstream tolerates them.
 
+Descriptors per run of whole pages (``add_remote_agent``, ``_read_blocks``, ``shutdown``)
+    Why: upstream reads every kernel block of every layer with its own
+    descriptor, two per page with a blocks-first layout (K and V), and NIXL's
+    cost to prepare and post a read grows with the count (about 40 ns per
+    descriptor in ``make_prepped_xfer`` alone on a CPU host). How: when decode
+    reads whole pages of a remote rank (same TP, kernel block and page bytes),
+    ``add_remote_agent`` also prepares lists with one descriptor per run of
+    ``gcd(local ratio, remote ratio)`` pages per layer (``page_runs``), plus
+    upstream's Mamba descriptors; ``_read_blocks`` uses them when every
+    attention list is made of whole aligned runs, and upstream's lists
+    otherwise. Same bytes, same notification. Remove when: upstream does so.
+
 ``_validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)``
     Why: upstream accepts a Mamba hybrid peer with another ratio while prefix
     caching is on, and the mismatch surfaces mid-request. How:
@@ -95,6 +107,8 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from vllm_nixl_hma._compat import require_supported_vllm
 
@@ -128,7 +142,14 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from vllm_nixl_hma import __version__, blocks, handshake, lease, mamba_conv  # noqa: E402
+from vllm_nixl_hma import (  # noqa: E402
+    __version__,
+    blocks,
+    handshake,
+    lease,
+    mamba_conv,
+    page_runs,
+)
 from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError  # noqa: E402
 
 __all__ = ["NixlHMAConnectorWorker", "NixlHMAHandshakePayload", "group_kinds_of"]
@@ -148,6 +169,22 @@ class NixlHMAHandshakePayload(NixlHandshakePayload):
 
 
 logger = init_logger(f"vllm.{__name__}")
+
+
+@dataclass(frozen=True)
+class PageRunList:
+    """A prepared run descriptor list of one side (``page_runs``)."""
+
+    handle: int
+    run_blocks: int
+    runs_per_layer: int
+    num_layers: int
+    logical_blocks: int
+
+    @property
+    def num_run_descs(self) -> int:
+        """Where the Mamba descriptors start."""
+        return self.num_layers * self.runs_per_layer
 
 
 def _same_lengths(local_ids_by_group, remote_ids_by_group) -> bool:
@@ -266,6 +303,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                 local_block_ids=local_kernel_ids_by_group,
                 remote_block_ids=remote_kernel_ids_by_group,
             )
+        if self._read_page_runs(read_spec, dst_engine_id, request_id, remote_request_id):
+            return
         super()._read_blocks(
             read_spec=read_spec,
             dst_engine_id=dst_engine_id,
@@ -276,6 +315,211 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         )
         if request_id in self._failed_recv_reqs:  # upstream could not set the read up
             self._forget_remote_engine(dst_engine_id)
+
+    # ------------------------------------------------- descriptors per page run
+
+    @functools.cached_property
+    def _page_run_locals(self) -> dict[int, PageRunList]:
+        """{run_blocks: this rank's run descriptor list}"""
+        return {}
+
+    @functools.cached_property
+    def _page_run_remotes(self) -> dict[str, dict[int, PageRunList]]:
+        """{remote engine id: {remote rank: its run descriptor list}}"""
+        return {}
+
+    def _prepare_page_runs(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        remote_tp_rank: int,
+        remote_tp_size: int,
+        remote_agent_name: str,
+    ) -> None:
+        """Prepare run descriptor lists for a remote rank decode reads whole
+        pages of (``page_runs``); without them reads use upstream's lists."""
+        engine_id = nixl_agent_meta.engine_id
+        if remote_tp_rank in self._page_run_remotes.get(engine_id, {}):
+            return
+        if self.transfer_topo is None:
+            return
+        tp_ratio = self.transfer_topo.tp_ratio(remote_tp_size)
+        run_blocks = page_runs.run_blocks_for(
+            self._physical_blocks_per_logical_kv_block,
+            nixl_agent_meta.physical_blocks_per_logical_kv_block,
+        )
+        blocks_first = self.transfer_topo.is_kv_layout_blocks_first
+        layers = range(len(self.block_len_per_layer))
+        read_bytes = [
+            self.get_backend_aware_kv_block_len(i, first_split=True)
+            + (self.get_backend_aware_kv_block_len(i, first_split=False) if blocks_first else 0)
+            for i in layers
+        ]
+        refusal = page_runs.whole_page_refusal(
+            tp_ratio=tp_ratio,
+            block_size_ratio=self.transfer_topo.block_size_ratio(nixl_agent_meta.block_size),
+            local_page_bytes=self.block_len_per_layer,
+            remote_page_bytes=nixl_agent_meta.block_lens,
+            local_read_bytes_per_page=read_bytes,
+            descs_per_page=2 if blocks_first else 1,
+            run_blocks=run_blocks,
+        )
+        if refusal is not None:
+            logger.debug(
+                "NixlHMAConnector: reads from %s use vLLM's descriptors: %s", engine_id, refusal
+            )
+            return
+        try:
+            self._page_run_local(run_blocks)  # made once per run length
+            remote_descs = page_runs.page_run_descs(
+                nixl_agent_meta.kv_caches_base_addr,
+                nixl_agent_meta.block_lens,
+                nixl_agent_meta.num_blocks,
+                run_blocks,
+                nixl_agent_meta.device_id,
+            )
+            remote_ratio = nixl_agent_meta.physical_blocks_per_logical_kv_block
+            if self._has_mamba:
+                transfer_info = self.transfer_topo.get_engine_info(engine_id)
+                mamba = self._build_mamba_remote(nixl_agent_meta, tp_ratio, transfer_info)
+                remote_descs = np.concatenate([remote_descs, np.asarray(mamba, dtype=np.int64)])
+            handle = self.nixl_wrapper.prep_xfer_dlist(
+                remote_agent_name,
+                self.nixl_wrapper.get_xfer_descs(remote_descs, self.nixl_memory_type),
+            )
+        except Exception as e:  # NIXL refused the list: upstream's lists still work
+            logger.warning(
+                "NixlHMAConnector: could not prepare run descriptors for engine %s (%s); "
+                "reads from it use vLLM's descriptors",
+                engine_id,
+                e,
+            )
+            return
+        self._page_run_remotes.setdefault(engine_id, {})[remote_tp_rank] = PageRunList(
+            handle=handle,
+            run_blocks=run_blocks,
+            runs_per_layer=nixl_agent_meta.num_blocks // run_blocks,
+            num_layers=len(nixl_agent_meta.kv_caches_base_addr),
+            logical_blocks=nixl_agent_meta.num_blocks // remote_ratio,
+        )
+
+    def _page_run_local(self, run_blocks: int) -> PageRunList:
+        """This rank's run descriptor list for ``run_blocks`` (made once)."""
+        if run_blocks not in self._page_run_locals:
+            base_addrs = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
+            descs = page_runs.page_run_descs(
+                base_addrs, self.block_len_per_layer, self.num_blocks, run_blocks, self.device_id
+            )
+            if self._has_mamba:
+                mamba = self._build_mamba_local(base_addrs, 1)
+                descs = np.concatenate([descs, np.asarray(mamba, dtype=np.int64)])
+            handle = self.nixl_wrapper.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", self.nixl_wrapper.get_xfer_descs(descs, self.nixl_memory_type)
+            )
+            self._page_run_locals[run_blocks] = PageRunList(
+                handle=handle,
+                run_blocks=run_blocks,
+                runs_per_layer=self.num_blocks // run_blocks,
+                num_layers=len(base_addrs),
+                logical_blocks=self._logical_num_blocks,
+            )
+        return self._page_run_locals[run_blocks]
+
+    def _read_page_runs(
+        self,
+        read_spec: ReadSpec,
+        dst_engine_id: str,
+        request_id: str,
+        remote_request_id: str,
+    ) -> bool:
+        """Post the read with run descriptors, if this remote rank has them
+        and every attention list is made of whole aligned runs on both sides;
+        ``False`` leaves the read to upstream's descriptors."""
+        remote = self._page_run_remotes.get(dst_engine_id, {}).get(read_spec.remote_rank)
+        if remote is None or not any(len(ids) for ids in read_spec.local_block_ids):
+            return False
+        local = self._page_run_locals[remote.run_blocks]
+        local_parts, remote_parts = [], []
+        for kind, local_group, remote_group in zip(
+            self._group_kinds, read_spec.local_block_ids, read_spec.remote_block_ids, strict=True
+        ):
+            local_ids = np.asarray(local_group, dtype=np.int64)
+            remote_ids = np.asarray(remote_group, dtype=np.int64)
+            if local_ids.size != remote_ids.size:
+                return False
+            if kind is blocks.GroupKind.MAMBA:
+                local_parts.append(
+                    page_runs.mamba_desc_ids(
+                        local_ids, local.num_layers, local.logical_blocks, local.num_run_descs
+                    )
+                )
+                remote_parts.append(
+                    page_runs.mamba_desc_ids(
+                        remote_ids, remote.num_layers, remote.logical_blocks, remote.num_run_descs
+                    )
+                )
+                continue
+            local_runs = page_runs.run_ids_of(local_ids, remote.run_blocks)
+            remote_runs = page_runs.run_ids_of(remote_ids, remote.run_blocks)
+            if local_runs is None or remote_runs is None:
+                return False
+            local_parts.append(
+                page_runs.run_desc_ids(local_runs, local.num_layers, local.runs_per_layer)
+            )
+            remote_parts.append(
+                page_runs.run_desc_ids(remote_runs, remote.num_layers, remote.runs_per_layer)
+            )
+        self._post_read(
+            request_id,
+            dst_engine_id,
+            read_spec.remote_rank,
+            remote_request_id,
+            (local.handle, np.concatenate(local_parts).astype(np.int32)),
+            (remote.handle, np.concatenate(remote_parts).astype(np.int32)),
+        )
+        return True
+
+    def _post_read(
+        self,
+        request_id: str,
+        dst_engine_id: str,
+        remote_rank: int,
+        remote_request_id: str,
+        local_side: tuple[int, np.ndarray],
+        remote_side: tuple[int, np.ndarray],
+    ) -> None:
+        """One NIXL READ with prefill's notification, as upstream posts its
+        reads; a failure to set it up fails the request before any byte moves."""
+        notif_msg = f"{remote_request_id}:{self.world_size}".encode()
+        handle = None
+        try:
+            handle = self.nixl_wrapper.make_prepped_xfer(
+                "READ",
+                local_side[0],
+                local_side[1],
+                remote_side[0],
+                remote_side[1],
+                notif_msg=notif_msg,
+            )
+            self.nixl_wrapper.transfer(handle)
+        except Exception as e:
+            self._log_failure(
+                failure_type="transfer_setup_failed",
+                req_id=request_id,
+                msg="Marking blocks as invalid",
+                error=e,
+                dst_engine_id=dst_engine_id,
+                remote_rank=remote_rank,
+            )
+            if handle is not None:
+                self.nixl_wrapper.release_xfer_handle(handle)
+            meta = self._recving_metadata.get(request_id)
+            if meta is not None and not self._is_hma_required:
+                self._invalid_block_ids.update(meta.local_block_ids[0])
+            self.xfer_stats.record_failed_transfer()
+            self._failed_recv_reqs.add(request_id)
+            self._forget_remote_engine(dst_engine_id)
+            return
+        self._recving_transfers[request_id].append(handle)
 
     def _fail_unalignable_request(
         self,
@@ -330,7 +574,13 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         upstream calls without it."""
         self._remote_tp_rank_being_added = remote_tp_rank
         try:
-            return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size)
+            remote_agent_name = super().add_remote_agent(
+                nixl_agent_meta, remote_tp_rank, remote_tp_size
+            )
+            self._prepare_page_runs(
+                nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_agent_name
+            )
+            return remote_agent_name
         finally:
             self._remote_tp_rank_being_added = None
 
@@ -664,6 +914,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         with self._handshake_lock:
             for handle in self.dst_xfer_side_handles.pop(engine_id, {}).values():
                 self.nixl_wrapper.release_dlist_handle(handle)
+            for run_list in self._page_run_remotes.pop(engine_id, {}).values():
+                self.nixl_wrapper.release_dlist_handle(run_list.handle)
             for agent_name in self._remote_agents.pop(engine_id, {}).values():
                 self.nixl_wrapper.remove_remote_agent(agent_name)
             self.kv_caches_base_addr.pop(engine_id, None)
@@ -750,3 +1002,16 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                 )
                 self._report_invalid_blocks_of(request_id)
         return done_request_ids
+
+    def shutdown(self):
+        """vLLM 0.21.0 ``NixlConnectorWorker.shutdown``, after releasing the
+        run descriptor lists (``page_runs``) it does not know of."""
+        if hasattr(self, "nixl_wrapper"):
+            for run_list in self._page_run_locals.values():
+                self.nixl_wrapper.release_dlist_handle(run_list.handle)
+            for run_lists in self._page_run_remotes.values():
+                for run_list in run_lists.values():
+                    self.nixl_wrapper.release_dlist_handle(run_list.handle)
+        self._page_run_locals.clear()
+        self._page_run_remotes.clear()
+        super().shutdown()

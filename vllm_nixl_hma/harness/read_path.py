@@ -9,7 +9,9 @@ caller's (a recording fake in the unit tests and the read-path benchmark).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 LOCAL_ENGINE = "decode-engine"
@@ -139,3 +141,149 @@ def build_read_path_worker(
     worker._failed_recv_reqs = set()
     worker.xfer_stats = NixlKVConnectorStats()
     return worker
+
+
+# ------------------------------------------------------------------ live NIXL
+
+#: Mamba2 state of the live read path: conv (x 8 + B 4 + C 4 channels, 3 rows)
+#: and SSM (2 heads x 4 x 4), bf16: 96 + 64 bytes in a page of at least 160.
+LIVE_MAMBA_SHAPES = ((16, 3), (2, 4, 4))
+LIVE_KV_LAYOUT = "HND"
+
+
+@dataclass
+class LiveReadPath:
+    """A decode worker and a prefill NIXL agent in one process, with DRAM
+    caches registered on both and the prefill rank added the way a handshake
+    adds it (``add_remote_agent``). Reads move real bytes over UCX."""
+
+    worker: Any
+    prefill_agent: Any
+    local_caches: list  # per layer, uint8 (kernel pages x page bytes)
+    remote_caches: list
+
+    def wait(self, request_id: str, timeout_s: float = 60.0) -> None:
+        """Wait for the request's reads, then release them."""
+        handles = self.worker._recving_transfers.pop(request_id, [])
+        deadline = time.monotonic() + timeout_s
+        for handle in handles:
+            while (state := self.worker.nixl_wrapper.check_xfer_state(handle)) == "PROC":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"read of {request_id} still in flight after {timeout_s} s")
+            self.worker.nixl_wrapper.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"read of {request_id} ended {state}")
+        self.prefill_agent.get_new_notifs()
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        for descs in self.__dict__.get("_prefill_registered", []):
+            self.prefill_agent.deregister_memory(descs)
+
+
+def build_live_read_path(
+    worker_cls: type,
+    group_kinds: list[str],
+    physical_per_logical: int,
+    *,
+    layers: int,
+    logical_blocks: int,
+    page_bytes: int = 256,
+    kernel_block_tokens: int = 16,
+    mamba_shapes: tuple = LIVE_MAMBA_SHAPES,
+) -> LiveReadPath:
+    """Decode TP 1 reading prefill TP 1, both with ``physical_per_logical``
+    kernel blocks per logical block and ``layers`` layers of
+    ``logical_blocks * physical_per_logical`` kernel pages of ``page_bytes``.
+    The worker's state is what ``register_kv_caches`` would set (FlashInfer's
+    blocks-first layout: K and V halves of each page are separate
+    descriptors); the prefill rank is added with vLLM's ``add_remote_agent``.
+    """
+    import types
+    import uuid
+
+    import torch
+    from nixl._api import nixl_agent, nixl_agent_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (
+        derive_mamba_conv_split,
+    )
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    config = nixl_agent_config(backends=["UCX"])
+    decode_agent = nixl_agent(f"decode-{uuid.uuid4()}", config)
+    prefill_agent = nixl_agent(f"prefill-{uuid.uuid4()}", config)
+    worker = build_read_path_worker(
+        worker_cls,
+        group_kinds,
+        physical_per_logical,
+        physical_per_logical,
+        decode_agent,
+        logical_blocks=logical_blocks,
+        kernel_block_tokens=kernel_block_tokens,
+        num_regions=2 * layers,  # blocks-first: K and V of each layer
+    )
+    kernel_blocks = logical_blocks * physical_per_logical
+    local_caches = [
+        torch.zeros(kernel_blocks * page_bytes, dtype=torch.uint8) for _ in range(layers)
+    ]
+    remote_caches = [torch.zeros_like(t) for t in local_caches]
+    for agent, caches in ((decode_agent, local_caches), (prefill_agent, remote_caches)):
+        agent.register_memory(agent.get_reg_descs(caches))
+    worker.block_len_per_layer = [page_bytes] * layers
+    worker.num_blocks = kernel_blocks
+    worker._logical_num_blocks = logical_blocks
+    worker.device_id = 0
+    worker.nixl_memory_type = "DRAM"
+    worker.use_host_buffer = False
+    worker.kv_cache_layout = LIVE_KV_LAYOUT
+    worker.backend_name = "FLASHINFER"
+    worker.kv_caches_base_addr = defaultdict(dict)
+    worker.kv_caches_base_addr[LOCAL_ENGINE][0] = [t.data_ptr() for t in local_caches]
+    worker._registered_descs = []
+    worker._remote_agents = defaultdict(dict)
+    worker.dst_xfer_side_handles = defaultdict(dict)
+    worker.src_xfer_handles_by_block_size = {}
+    worker._handshake_initiation_executor = types.SimpleNamespace(shutdown=lambda wait: None)
+    worker.vllm_config = types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(enable_prefix_caching=False),
+        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace()),
+    )
+    worker.kv_transfer_config = types.SimpleNamespace(enable_permute_local_kv=False)
+    ssm_sizes = (0, 0)
+    if worker._has_mamba:
+        spec = MambaSpec(
+            shapes=mamba_shapes,
+            dtypes=(torch.bfloat16, torch.bfloat16),
+            block_size=1 << 20,
+            mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        )
+        worker._conv_decomp = derive_mamba_conv_split(spec, 1)
+        ssm_sizes = tuple(worker._conv_decomp.ssm_sizes)
+        worker._mamba_ssm_size = ssm_sizes
+    worker.num_descs = worker.num_regions * kernel_blocks
+    worker.src_xfer_handles_by_block_size[kernel_block_tokens], worker.src_blocks_data = (
+        worker.register_local_xfer_handler(kernel_block_tokens)
+    )
+    worker.dst_num_blocks.pop(REMOTE_ENGINE, None)
+    worker.transfer_topo._engines.pop(REMOTE_ENGINE, None)
+    worker.tp_mappings.pop(REMOTE_ENGINE, None)
+    worker.add_remote_agent(
+        NixlAgentMetadata(
+            engine_id=REMOTE_ENGINE,
+            agent_metadata=prefill_agent.get_agent_metadata(),
+            kv_caches_base_addr=[t.data_ptr() for t in remote_caches],
+            device_id=0,
+            num_blocks=kernel_blocks,
+            block_lens=[page_bytes] * layers,
+            kv_cache_layout=LIVE_KV_LAYOUT,
+            block_size=kernel_block_tokens,
+            ssm_sizes=ssm_sizes,
+            attn_backend_name="FLASHINFER",
+            physical_blocks_per_logical_kv_block=physical_per_logical,
+        ),
+        0,
+        1,
+    )
+    return LiveReadPath(worker, prefill_agent, local_caches, remote_caches)

@@ -3,25 +3,30 @@
 Read path: decode-side CPU time per request from the request's metadata to
 the posted transfer: local and remote block expansion, alignment, descriptor
 ids, NIXL ``make_prepped_xfer`` and ``transfer`` (the post; completion is
-awaited outside the timer). Ours against stock vLLM 0.21.0
-``NixlConnectorWorker`` on identical inputs in the same run, each a real
-worker with real NIXL agents (UCX on loopback, DRAM) set up by
+awaited outside the timer). ``us_*`` is the CPU time of the calling thread
+(``time.thread_time``: what the decode step pays, not counting the UCX
+threads that share a small machine's cores); ``wall_us_*`` is wall time.
+Ours against stock vLLM 0.21.0 ``NixlConnectorWorker`` on identical inputs
+in the same run, each a real worker with real NIXL agents (UCX on loopback,
+DRAM, vLLM's ``num_threads`` 4) set up by
 ``harness.read_path.build_live_read_path``: decode TP 1 reads prefill TP 1,
 equal ratios (so stock reads the right blocks too), block ids drawn at
 random from a pool twice the request (a fragmented cache). Pages are small
 (64 B dense, 256 B hybrid) so that time goes to descriptors, not bytes.
 
 Transfer: one request of a hybrid layout with realistic pages (32 KiB kernel
-pages, 9 per logical block, 8 layers, Mamba2 state 270 KiB per layer) read
+pages, 9 per logical block, 8 layers, Mamba2 state 263.5 KiB per layer) read
 through our worker and through stock's, against raw NIXL moving the same
-number of bytes between the same two agents with one descriptor, and
-against ``numpy.copyto`` of the same bytes (memcpy). Medians of repeated runs.
+number of bytes between two agents with one descriptor, and against
+``numpy.copyto`` of the same bytes (memcpy). Medians of repeated runs.
 
 Prints tables (stderr) and, with ``--json``, one JSON object on stdout:
 ``{"machine": ..., "read_path": [{"tokens", "ratio", "layout", "layers",
 "descriptors_ours", "descriptors_stock", "us_ours", "us_stock",
-"ratio_ours_over_stock"}], "transfer": [{"bytes", "gbps_ours", "gbps_stock",
-"gbps_raw_nixl", "gbps_memcpy", "efficiency_vs_raw"}]}``.
+"ratio_ours_over_stock", "wall_us_ours", "wall_us_stock"}],
+"transfer": [{"tokens", "bytes", "gbps_ours", "gbps_stock", "gbps_raw_nixl",
+"gbps_memcpy", "efficiency_vs_raw"}]}``. ``BENCH_NIXL_THREADS`` overrides
+``num_threads`` of every agent.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 KERNEL_BLOCK_TOKENS = 16
+NIXL_THREADS = int(os.environ.get("BENCH_NIXL_THREADS", "4"))
 LAYOUTS = {"dense": ["full_attention"], "hybrid": ["full_attention", "mamba"]}
 READ_PATH_PAGE_BYTES = {"dense": 64, "hybrid": 256}
 
@@ -90,76 +96,154 @@ def count_descriptors(live):
     return seen
 
 
-def time_read_path(worker_cls, layout, tokens, ratio, layers, repeats, seed):
+WORKERS = ("ours", "stock")
+
+
+def worker_classes() -> dict[str, type]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
+
+    from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+
+    return {"ours": NixlHMAConnectorWorker, "stock": NixlConnectorWorker}
+
+
+def read_request(live, request_id, local, remote) -> None:
+    """Decode's read path for one request, from metadata to the posted transfer."""
+    meta = request_meta(local, remote)
+    meta.local_physical_block_ids = live.worker._logical_to_kernel_block_ids(local)
+    live.worker._read_blocks_for_req(request_id, meta)
+
+
+def draw_requests(kinds, pool, logical_per_request, count, seed) -> list:
+    """``count`` (local, remote) block-id pairs, the same for every worker."""
     import numpy as np
 
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            draw_block_ids(rng, kinds, pool, logical_per_request),
+            draw_block_ids(rng, kinds, pool, logical_per_request),
+        )
+        for _ in range(count)
+    ]
+
+
+def read_path_case(layout, tokens, ratio, layers, repeats, seed) -> dict:
+    """Ours, then stock, each alone in the process (another live agent's UCX
+    threads would perturb the timing), on the same requests; medians."""
     from vllm_nixl_hma.harness.read_path import build_live_read_path
 
     kinds = LAYOUTS[layout]
     logical_per_request = math.ceil(tokens / (ratio * KERNEL_BLOCK_TOKENS))
     pool = 2 * logical_per_request + 16
-    live = build_live_read_path(
-        worker_cls,
-        kinds,
-        ratio,
-        layers=layers,
-        logical_blocks=pool,
-        page_bytes=READ_PATH_PAGE_BYTES[layout],
-    )
-    try:
-        seen = count_descriptors(live)
-        rng = np.random.default_rng(seed)
-        samples = []
-        for repeat in range(repeats):
-            local = draw_block_ids(rng, kinds, pool, logical_per_request)
-            remote = draw_block_ids(rng, kinds, pool, logical_per_request)
-            started = time.perf_counter()
-            meta = request_meta(local, remote)
-            meta.local_physical_block_ids = live.worker._logical_to_kernel_block_ids(local)
-            live.worker._read_blocks_for_req(f"r{repeat}", meta)
-            samples.append(time.perf_counter() - started)
-            live.wait(f"r{repeat}")
-        return statistics.median(samples) * 1e6, seen["descriptors"]
-    finally:
-        live.close()
+    requests = draw_requests(kinds, pool, logical_per_request, repeats, seed)
+    classes = worker_classes()
+    us, wall_us, descriptors = {}, {}, {}
+    for name in WORKERS:
+        live = build_live_read_path(
+            classes[name],
+            kinds,
+            ratio,
+            layers=layers,
+            logical_blocks=pool,
+            page_bytes=READ_PATH_PAGE_BYTES[layout],
+            nixl_threads=NIXL_THREADS,
+        )
+        try:
+            seen = count_descriptors(live)
+            cpu_samples, wall_samples = [], []
+            for index, (local, remote) in enumerate(requests):
+                cpu_started, wall_started = time.thread_time(), time.perf_counter()
+                read_request(live, f"r{index}", local, remote)
+                cpu_samples.append(time.thread_time() - cpu_started)
+                wall_samples.append(time.perf_counter() - wall_started)
+                live.wait(f"r{index}")
+        finally:
+            live.close()
+        us[name] = statistics.median(cpu_samples) * 1e6
+        wall_us[name] = statistics.median(wall_samples) * 1e6
+        descriptors[name] = seen["descriptors"]
+    return {
+        "tokens": tokens,
+        "ratio": ratio,
+        "layout": layout,
+        "layers": layers,
+        "descriptors_ours": descriptors["ours"],
+        "descriptors_stock": descriptors["stock"],
+        "us_ours": round(us["ours"], 1),
+        "us_stock": round(us["stock"], 1),
+        "ratio_ours_over_stock": round(us["ours"] / us["stock"], 3),
+        "wall_us_ours": round(wall_us["ours"], 1),
+        "wall_us_stock": round(wall_us["stock"], 1),
+    }
 
 
 def read_path_rows(quick: bool, progress) -> list[dict]:
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
-
-    from vllm_nixl_hma.worker import NixlHMAConnectorWorker
-
     token_sizes = (8192, 131072) if quick else (8192, 32768, 131072)
     ratios = (1, 10) if quick else (1, 6, 10, 66)
     layer_counts = (8,) if quick else (8, 64)
+    repeats = 5 if quick else 11
     rows = []
     for tokens in token_sizes:
         for ratio in ratios:
             for layout in LAYOUTS:
                 for layers in layer_counts:
-                    repeats = 3 if quick else 5
-                    case = (layout, tokens, ratio, layers, repeats, tokens + ratio + layers)
-                    us_ours, d_ours = time_read_path(NixlHMAConnectorWorker, *case)
-                    us_stock, d_stock = time_read_path(NixlConnectorWorker, *case)
-                    rows.append(
-                        {
-                            "tokens": tokens,
-                            "ratio": ratio,
-                            "layout": layout,
-                            "layers": layers,
-                            "descriptors_ours": d_ours,
-                            "descriptors_stock": d_stock,
-                            "us_ours": round(us_ours, 1),
-                            "us_stock": round(us_stock, 1),
-                            "ratio_ours_over_stock": round(us_ours / us_stock, 3),
-                        }
-                    )
+                    seed = tokens + ratio + layers
+                    rows.append(read_path_case(layout, tokens, ratio, layers, repeats, seed))
                     progress(f"read path: {tokens} tokens r={ratio} {layout} {layers} layers")
     return rows
 
 
-def connector_gbps(worker_cls, tokens, repeats, seed) -> tuple[int, float]:
-    """(bytes per request, median GB/s) of reads through a connector worker."""
+class RawNixl:
+    """Two NIXL agents configured as vLLM configures its own, one buffer
+    each: a READ of ``num_bytes`` with one descriptor per side."""
+
+    def __init__(self, num_bytes: int):
+        import uuid
+
+        import torch
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        config = nixl_agent_config(num_threads=NIXL_THREADS)
+        self.reader = nixl_agent(f"raw-reader-{uuid.uuid4()}", config)
+        self.owner = nixl_agent(f"raw-owner-{uuid.uuid4()}", config)
+        self.source = torch.ones(num_bytes, dtype=torch.uint8)
+        self.target = torch.zeros(num_bytes, dtype=torch.uint8)
+        self.registrations = [
+            (self.owner, self.owner.register_memory(self.owner.get_reg_descs([self.source]))),
+            (self.reader, self.reader.register_memory(self.reader.get_reg_descs([self.target]))),
+        ]
+        self.owner_name = self.reader.add_remote_agent(self.owner.get_agent_metadata())
+
+    def read(self) -> None:
+        handle = self.reader.initialize_xfer(
+            "READ",
+            self.reader.get_xfer_descs([self.target]),
+            self.owner.get_xfer_descs([self.source]),
+            self.owner_name,
+        )
+        self.reader.transfer(handle)
+        deadline = time.monotonic() + 120
+        while (state := self.reader.check_xfer_state(handle)) == "PROC":
+            if time.monotonic() > deadline:
+                raise TimeoutError("raw NIXL read did not finish in 120 s")
+        self.reader.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read ended {state}")
+
+    def close(self) -> None:
+        if not bool(self.target.all()):
+            raise RuntimeError("raw NIXL read did not move the bytes")
+        self.reader.remove_remote_agent(self.owner_name)
+        for agent, descs in self.registrations:
+            agent.deregister_memory(descs)
+        self.reader = self.owner = None
+
+
+def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
+    """One hybrid request of ``tokens``: read through ours, then stock (each
+    alone in the process, on the same requests), then raw NIXL and memcpy of
+    the same bytes; one warm-up read each, then medians of ``repeats``."""
     import numpy as np
 
     from vllm_nixl_hma.harness.read_path import build_live_read_path
@@ -167,120 +251,71 @@ def connector_gbps(worker_cls, tokens, repeats, seed) -> tuple[int, float]:
     kinds = LAYOUTS["hybrid"]
     logical_per_request = math.ceil(tokens / (TRANSFER_RATIO * KERNEL_BLOCK_TOKENS))
     pool = 2 * logical_per_request + 2
-    live = build_live_read_path(
-        worker_cls,
-        kinds,
-        TRANSFER_RATIO,
-        layers=TRANSFER_LAYERS,
-        logical_blocks=pool,
-        page_bytes=TRANSFER_PAGE_BYTES,
-        mamba_shapes=TRANSFER_MAMBA_SHAPES,
-    )
+    requests = draw_requests(kinds, pool, logical_per_request, repeats + 1, seed)
+    classes = worker_classes()
+    samples: dict[str, list[float]] = {}
+    num_bytes = 0
+    for name in WORKERS:
+        live = build_live_read_path(
+            classes[name],
+            kinds,
+            TRANSFER_RATIO,
+            layers=TRANSFER_LAYERS,
+            logical_blocks=pool,
+            page_bytes=TRANSFER_PAGE_BYTES,
+            mamba_shapes=TRANSFER_MAMBA_SHAPES,
+            nixl_threads=NIXL_THREADS,
+        )
+        try:
+            conv_bytes, ssm_bytes = live.worker._mamba_ssm_size
+            attention_bytes = logical_per_request * TRANSFER_RATIO * TRANSFER_PAGE_BYTES
+            num_bytes = TRANSFER_LAYERS * (attention_bytes + conv_bytes + ssm_bytes)
+            samples[name] = []
+            for index, (local, remote) in enumerate(requests):
+                started = time.perf_counter()
+                read_request(live, f"r{index}", local, remote)
+                live.wait(f"r{index}")
+                if index:  # the first read warms UCX up
+                    samples[name].append(time.perf_counter() - started)
+        finally:
+            live.close()
+    raw = RawNixl(num_bytes)
     try:
-        worker = live.worker
-        conv_bytes, ssm_bytes = worker._mamba_ssm_size
-        attention_bytes = logical_per_request * TRANSFER_RATIO * TRANSFER_PAGE_BYTES
-        request_bytes = TRANSFER_LAYERS * (attention_bytes + conv_bytes + ssm_bytes)
-        rng = np.random.default_rng(seed)
-        samples = []
-        for repeat in range(repeats + 1):  # the first read warms UCX up
-            local = draw_block_ids(rng, kinds, pool, logical_per_request)
-            remote = draw_block_ids(rng, kinds, pool, logical_per_request)
-            meta = request_meta(local, remote)
-            meta.local_physical_block_ids = worker._logical_to_kernel_block_ids(local)
+        samples["raw"] = []
+        for index in range(repeats + 1):
             started = time.perf_counter()
-            worker._read_blocks_for_req(f"r{repeat}", meta)
-            live.wait(f"r{repeat}")
-            if repeat:
-                samples.append(time.perf_counter() - started)
-        return request_bytes, request_bytes / statistics.median(samples) / 1e9
+            raw.read()
+            if index:
+                samples["raw"].append(time.perf_counter() - started)
     finally:
-        live.close()
-
-
-def raw_nixl_gbps(num_bytes: int, repeats: int) -> float:
-    """Two NIXL agents, one descriptor each side, READ of ``num_bytes``."""
-    import uuid
-
-    import torch
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    config = nixl_agent_config(backends=["UCX"])
-    reader = nixl_agent(f"raw-reader-{uuid.uuid4()}", config)
-    owner = nixl_agent(f"raw-owner-{uuid.uuid4()}", config)
-    source = torch.ones(num_bytes, dtype=torch.uint8)
-    target = torch.zeros(num_bytes, dtype=torch.uint8)
-    owner_reg = owner.register_memory(owner.get_reg_descs([source]))
-    reader_reg = reader.register_memory(reader.get_reg_descs([target]))
-    owner_name = reader.add_remote_agent(owner.get_agent_metadata())
-    samples = []
-    try:
-        for repeat in range(repeats + 1):
-            started = time.perf_counter()
-            handle = reader.initialize_xfer(
-                "READ",
-                reader.get_xfer_descs([target]),
-                owner.get_xfer_descs([source]),
-                owner_name,
-            )
-            reader.transfer(handle)
-            deadline = time.monotonic() + 120
-            while (state := reader.check_xfer_state(handle)) == "PROC":
-                if time.monotonic() > deadline:
-                    raise TimeoutError("raw NIXL read did not finish in 120 s")
-            reader.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL read ended {state}")
-            if repeat:
-                samples.append(time.perf_counter() - started)
-        if not bool(target.all()):
-            raise RuntimeError("raw NIXL read did not move the bytes")
-    finally:
-        reader.remove_remote_agent(owner_name)
-        reader.deregister_memory(reader_reg)
-        owner.deregister_memory(owner_reg)
-    return num_bytes / statistics.median(samples) / 1e9
-
-
-def memcpy_gbps(num_bytes: int, repeats: int) -> float:
-    import numpy as np
-
-    source = np.ones(num_bytes, dtype=np.uint8)
-    target = np.zeros(num_bytes, dtype=np.uint8)
-    samples = []
-    for repeat in range(repeats + 1):
+        raw.close()
+    memcpy_source = np.ones(num_bytes, dtype=np.uint8)
+    memcpy_target = np.zeros(num_bytes, dtype=np.uint8)
+    samples["memcpy"] = []
+    for index in range(repeats + 1):
         started = time.perf_counter()
-        np.copyto(target, source)
-        if repeat:
-            samples.append(time.perf_counter() - started)
-    return num_bytes / statistics.median(samples) / 1e9
+        np.copyto(memcpy_target, memcpy_source)
+        if index:
+            samples["memcpy"].append(time.perf_counter() - started)
+    gbps = {name: num_bytes / statistics.median(s) / 1e9 for name, s in samples.items()}
+    return {
+        "tokens": tokens,
+        "bytes": num_bytes,
+        "gbps_ours": round(gbps["ours"], 3),
+        "gbps_stock": round(gbps["stock"], 3),
+        "gbps_raw_nixl": round(gbps["raw"], 3),
+        "gbps_memcpy": round(gbps["memcpy"], 3),
+        "efficiency_vs_raw": round(gbps["ours"] / gbps["raw"], 3),
+    }
 
 
 def transfer_rows(quick: bool, progress) -> list[dict]:
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
-
-    from vllm_nixl_hma.worker import NixlHMAConnectorWorker
-
     token_sizes = (2048, 8192) if quick else (2048, 8192, 32768)
-    repeats = 3 if quick else 7
+    repeats = 3 if quick else 9
     rows = []
     for tokens in token_sizes:
-        num_bytes, gbps_ours = connector_gbps(NixlHMAConnectorWorker, tokens, repeats, tokens)
-        _, gbps_stock = connector_gbps(NixlConnectorWorker, tokens, repeats, tokens)
-        gbps_raw = raw_nixl_gbps(num_bytes, repeats)
-        gbps_memcpy = memcpy_gbps(num_bytes, repeats)
-        rows.append(
-            {
-                "tokens": tokens,
-                "bytes": num_bytes,
-                "gbps_ours": round(gbps_ours, 3),
-                "gbps_stock": round(gbps_stock, 3),
-                "gbps_raw_nixl": round(gbps_raw, 3),
-                "gbps_memcpy": round(gbps_memcpy, 3),
-                "efficiency_vs_raw": round(gbps_ours / gbps_raw, 3),
-            }
-        )
-        progress(f"transfer: {num_bytes / 2**20:.0f} MiB")
+        rows.append(transfer_case(tokens, repeats, tokens))
+        progress(f"transfer: {rows[-1]['bytes'] / 2**20:.0f} MiB")
     return rows
 
 
@@ -318,7 +353,7 @@ def main(argv=None) -> int:
     result: dict = {"machine": machine()}
     if args.only in (None, "read_path"):
         result["read_path"] = read_path_rows(args.quick, progress)
-        print_table("read path (decode CPU per request, us)", result["read_path"])
+        print_table("read path (decode thread CPU per request, us)", result["read_path"])
     if args.only in (None, "transfer"):
         result["transfer"] = transfer_rows(args.quick, progress)
         print_table("transfer (GB/s)", result["transfer"])

@@ -9,6 +9,7 @@ caller's (a recording fake in the unit tests and the read-path benchmark).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -161,6 +162,7 @@ class LiveReadPath:
     prefill_agent: Any
     local_caches: list  # per layer, uint8 (kernel pages x page bytes)
     remote_caches: list
+    registrations: list  # (agent, registered descriptors)
 
     def wait(self, request_id: str, timeout_s: float = 60.0) -> None:
         """Wait for the request's reads, then release them."""
@@ -176,9 +178,15 @@ class LiveReadPath:
         self.prefill_agent.get_new_notifs()
 
     def close(self) -> None:
+        """Release everything and drop both agents (their UCX threads stop
+        when the agents are collected)."""
         self.worker.shutdown()
-        for descs in self.__dict__.get("_prefill_registered", []):
-            self.prefill_agent.deregister_memory(descs)
+        for agent, descs in self.registrations:
+            agent.deregister_memory(descs)
+        self.registrations.clear()
+        self.worker.nixl_wrapper = None
+        self.prefill_agent = None
+        gc.collect()
 
 
 def build_live_read_path(
@@ -191,6 +199,7 @@ def build_live_read_path(
     page_bytes: int = 256,
     kernel_block_tokens: int = 16,
     mamba_shapes: tuple = LIVE_MAMBA_SHAPES,
+    nixl_threads: int = 4,
 ) -> LiveReadPath:
     """Decode TP 1 reading prefill TP 1, both with ``physical_per_logical``
     kernel blocks per logical block and ``layers`` layers of
@@ -198,6 +207,7 @@ def build_live_read_path(
     The worker's state is what ``register_kv_caches`` would set (FlashInfer's
     blocks-first layout: K and V halves of each page are separate
     descriptors); the prefill rank is added with vLLM's ``add_remote_agent``.
+    ``nixl_threads`` is vLLM's ``num_threads`` (its default: 4).
     """
     import types
     import uuid
@@ -211,7 +221,8 @@ def build_live_read_path(
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    config = nixl_agent_config(backends=["UCX"])
+    # as vLLM 0.21.0 configures its agents with UCX alone
+    config = nixl_agent_config(num_threads=nixl_threads)
     decode_agent = nixl_agent(f"decode-{uuid.uuid4()}", config)
     prefill_agent = nixl_agent(f"prefill-{uuid.uuid4()}", config)
     worker = build_read_path_worker(
@@ -229,8 +240,10 @@ def build_live_read_path(
         torch.zeros(kernel_blocks * page_bytes, dtype=torch.uint8) for _ in range(layers)
     ]
     remote_caches = [torch.zeros_like(t) for t in local_caches]
-    for agent, caches in ((decode_agent, local_caches), (prefill_agent, remote_caches)):
-        agent.register_memory(agent.get_reg_descs(caches))
+    registrations = [
+        (agent, agent.register_memory(agent.get_reg_descs(caches)))
+        for agent, caches in ((decode_agent, local_caches), (prefill_agent, remote_caches))
+    ]
     worker.block_len_per_layer = [page_bytes] * layers
     worker.num_blocks = kernel_blocks
     worker._logical_num_blocks = logical_blocks
@@ -286,4 +299,4 @@ def build_live_read_path(
         0,
         1,
     )
-    return LiveReadPath(worker, prefill_agent, local_caches, remote_caches)
+    return LiveReadPath(worker, prefill_agent, local_caches, remote_caches, registrations)

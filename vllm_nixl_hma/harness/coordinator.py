@@ -28,7 +28,10 @@ from vllm_nixl_hma import lease
 from vllm_nixl_hma.harness.rank import rank_main
 
 COMMAND_TIMEOUT_S = 300.0
-TRANSFER_TIMEOUT_S = 30.0
+# Generous: once in several suite runs on a loaded 2-core machine, every read
+# of one cell took over 30 s (cause not established; a loopback TCP connect
+# whose SYN is dropped retries after 1, 3, 7, 15, 31 s, which would fit).
+TRANSFER_TIMEOUT_S = 120.0
 LEASE_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
 SHORT_LEASE_S = 0.5
 LOST_NOTIFICATION_LEASE_S = 2.0

@@ -25,7 +25,9 @@ Prints tables (stderr) and, with ``--json``, one JSON object on stdout:
 "descriptors_ours", "descriptors_stock", "us_ours", "us_stock",
 "ratio_ours_over_stock", "wall_us_ours", "wall_us_stock"}],
 "transfer": [{"tokens", "bytes", "gbps_ours", "gbps_stock", "gbps_raw_nixl",
-"gbps_memcpy", "efficiency_vs_raw"}]}``. ``BENCH_NIXL_THREADS`` overrides
+"gbps_raw_nixl_scattered", "gbps_memcpy", "efficiency_vs_raw"}]}``;
+``gbps_raw_nixl_scattered`` is raw NIXL reading the same bytes in logical
+pages (288 KiB) at random places: the cost of the scatter itself. ``BENCH_NIXL_THREADS`` overrides
 ``num_threads`` of every agent.
 """
 
@@ -196,7 +198,9 @@ def read_path_rows(quick: bool, progress) -> list[dict]:
 
 class RawNixl:
     """Two NIXL agents configured as vLLM configures its own, one buffer
-    each: a READ of ``num_bytes`` with one descriptor per side."""
+    each: a READ of ``num_bytes`` with one descriptor per side, or with
+    descriptors of ``chunk_bytes`` at random places of buffers twice as large
+    (the scatter of a request's pages, without a connector)."""
 
     def __init__(self, num_bytes: int):
         import uuid
@@ -207,21 +211,43 @@ class RawNixl:
         config = nixl_agent_config(num_threads=NIXL_THREADS)
         self.reader = nixl_agent(f"raw-reader-{uuid.uuid4()}", config)
         self.owner = nixl_agent(f"raw-owner-{uuid.uuid4()}", config)
-        self.source = torch.ones(num_bytes, dtype=torch.uint8)
-        self.target = torch.zeros(num_bytes, dtype=torch.uint8)
+        self.num_bytes = num_bytes
+        self.source = torch.ones(2 * num_bytes, dtype=torch.uint8)
+        self.target = torch.zeros(2 * num_bytes, dtype=torch.uint8)
         self.registrations = [
             (self.owner, self.owner.register_memory(self.owner.get_reg_descs([self.source]))),
             (self.reader, self.reader.register_memory(self.reader.get_reg_descs([self.target]))),
         ]
         self.owner_name = self.reader.add_remote_agent(self.owner.get_agent_metadata())
 
-    def read(self) -> None:
-        handle = self.reader.initialize_xfer(
-            "READ",
-            self.reader.get_xfer_descs([self.target]),
-            self.owner.get_xfer_descs([self.source]),
-            self.owner_name,
-        )
+    def scattered(self, chunk_bytes: int, rng) -> tuple:
+        """(target, source) descriptor arrays: ``num_bytes`` in chunks at random slots."""
+        import numpy as np
+
+        count = self.num_bytes // chunk_bytes
+        sides = []
+        for tensor in (self.target, self.source):
+            slots = rng.choice(2 * count, count, replace=False)
+            descs = np.zeros((count + 1, 3), dtype=np.int64)
+            descs[:count, 0] = tensor.data_ptr() + slots * chunk_bytes
+            descs[:count, 1] = chunk_bytes
+            # the remainder, past every slot
+            descs[count] = (
+                tensor.data_ptr() + 2 * count * chunk_bytes,
+                self.num_bytes % chunk_bytes,
+                0,
+            )
+            sides.append(descs if self.num_bytes % chunk_bytes else descs[:count])
+        return tuple(sides)
+
+    def read(self, scattered: tuple | None = None) -> None:
+        if scattered is None:
+            target_descs = self.reader.get_xfer_descs([self.target[: self.num_bytes]])
+            source_descs = self.owner.get_xfer_descs([self.source[: self.num_bytes]])
+        else:
+            target_descs = self.reader.get_xfer_descs(scattered[0], "DRAM")
+            source_descs = self.owner.get_xfer_descs(scattered[1], "DRAM")
+        handle = self.reader.initialize_xfer("READ", target_descs, source_descs, self.owner_name)
         self.reader.transfer(handle)
         deadline = time.monotonic() + 120
         while (state := self.reader.check_xfer_state(handle)) == "PROC":
@@ -232,7 +258,7 @@ class RawNixl:
             raise RuntimeError(f"raw NIXL read ended {state}")
 
     def close(self) -> None:
-        if not bool(self.target.all()):
+        if not bool(self.target[: self.num_bytes].all()):
             raise RuntimeError("raw NIXL read did not move the bytes")
         self.reader.remove_remote_agent(self.owner_name)
         for agent, descs in self.registrations:
@@ -280,13 +306,19 @@ def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
         finally:
             live.close()
     raw = RawNixl(num_bytes)
+    rng = np.random.default_rng(seed)
     try:
-        samples["raw"] = []
+        samples["raw"], samples["raw_scattered"] = [], []
         for index in range(repeats + 1):
             started = time.perf_counter()
             raw.read()
             if index:
                 samples["raw"].append(time.perf_counter() - started)
+            scattered = raw.scattered(TRANSFER_RATIO * TRANSFER_PAGE_BYTES, rng)
+            started = time.perf_counter()
+            raw.read(scattered)
+            if index:
+                samples["raw_scattered"].append(time.perf_counter() - started)
     finally:
         raw.close()
     memcpy_source = np.ones(num_bytes, dtype=np.uint8)
@@ -304,6 +336,7 @@ def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
         "gbps_ours": round(gbps["ours"], 3),
         "gbps_stock": round(gbps["stock"], 3),
         "gbps_raw_nixl": round(gbps["raw"], 3),
+        "gbps_raw_nixl_scattered": round(gbps["raw_scattered"], 3),
         "gbps_memcpy": round(gbps["memcpy"], 3),
         "efficiency_vs_raw": round(gbps["ours"] / gbps["raw"], 3),
     }

@@ -65,22 +65,6 @@ def run_ids_of(kernel_ids: np.ndarray, run_blocks: int) -> np.ndarray | None:
     return first // run_blocks
 
 
-def run_desc_ids(run_ids: np.ndarray, num_layers: int, runs_per_layer: int) -> np.ndarray:
-    """Descriptor ids of ``run_ids`` in every layer (layer-major)."""
-    layer_first = np.arange(num_layers, dtype=np.int64)[:, None] * runs_per_layer
-    return (layer_first + run_ids[None, :]).reshape(-1)
-
-
-def mamba_desc_ids(
-    logical_ids: np.ndarray, num_layers: int, logical_blocks: int, first_desc: int
-) -> np.ndarray:
-    """Descriptor ids of Mamba blocks in every region of every layer, for a
-    list whose Mamba part starts at ``first_desc`` (vLLM's region-major order)."""
-    regions = num_layers * MAMBA_REGIONS_PER_LAYER
-    region_first = first_desc + np.arange(regions, dtype=np.int64)[:, None] * logical_blocks
-    return (region_first + logical_ids[None, :]).reshape(-1)
-
-
 def whole_page_refusal(
     *,
     tp_ratio: int,
@@ -106,3 +90,46 @@ def whole_page_refusal(
     if descs_per_page * run_blocks <= 1:
         return "one descriptor per page already"
     return None
+
+
+def request_desc_ids(
+    groups: Sequence[tuple[bool, np.ndarray]],
+    *,
+    run_blocks: int,
+    num_layers: int,
+    runs_per_layer: int,
+    logical_blocks: int,
+    buffer: np.ndarray | None = None,
+) -> np.ndarray | None:
+    """int32 descriptor ids of one side of a request in a run descriptor list.
+
+    ``groups`` holds, per KV cache group, (is Mamba, block ids): kernel ids
+    for attention groups, logical ids for Mamba groups. Attention groups give
+    their runs in every layer, Mamba groups their blocks in every region, in
+    group order. ``None`` when an attention list is not whole aligned runs.
+    The ids are written into ``buffer`` when it is large enough (the caller
+    may reuse it once NIXL has taken the ids), else into a new array.
+    """
+    rows: list[tuple[np.ndarray, np.ndarray]] = []  # (first id per row, ids per row)
+    for is_mamba, block_ids in groups:
+        if is_mamba:
+            regions = num_layers * MAMBA_REGIONS_PER_LAYER
+            first = (
+                num_layers * runs_per_layer + np.arange(regions, dtype=np.int64) * logical_blocks
+            )
+            rows.append((first, block_ids))
+            continue
+        run_ids = run_ids_of(block_ids, run_blocks)
+        if run_ids is None:
+            return None
+        rows.append((np.arange(num_layers, dtype=np.int64) * runs_per_layer, run_ids))
+    total = sum(first.size * ids.size for first, ids in rows)
+    if buffer is None or buffer.size < total:
+        buffer = np.empty(total, dtype=np.int32)
+    out = buffer[:total]
+    start = 0
+    for first, ids in rows:
+        size = first.size * ids.size
+        np.add.outer(first, ids, out=out[start : start + size].reshape(first.size, ids.size))
+        start += size
+    return out

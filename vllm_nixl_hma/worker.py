@@ -438,45 +438,42 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         if remote is None or not any(len(ids) for ids in read_spec.local_block_ids):
             return False
         local = self._page_run_locals[remote.run_blocks]
-        local_parts, remote_parts = [], []
-        for kind, local_group, remote_group in zip(
-            self._group_kinds, read_spec.local_block_ids, read_spec.remote_block_ids, strict=True
+        if any(
+            len(local_ids) != len(remote_ids)
+            for local_ids, remote_ids in zip(
+                read_spec.local_block_ids, read_spec.remote_block_ids, strict=True
+            )
         ):
-            local_ids = np.asarray(local_group, dtype=np.int64)
-            remote_ids = np.asarray(remote_group, dtype=np.int64)
-            if local_ids.size != remote_ids.size:
-                return False
-            if kind is blocks.GroupKind.MAMBA:
-                local_parts.append(
-                    page_runs.mamba_desc_ids(
-                        local_ids, local.num_layers, local.logical_blocks, local.num_run_descs
-                    )
-                )
-                remote_parts.append(
-                    page_runs.mamba_desc_ids(
-                        remote_ids, remote.num_layers, remote.logical_blocks, remote.num_run_descs
-                    )
-                )
-                continue
-            local_runs = page_runs.run_ids_of(local_ids, remote.run_blocks)
-            remote_runs = page_runs.run_ids_of(remote_ids, remote.run_blocks)
-            if local_runs is None or remote_runs is None:
-                return False
-            local_parts.append(
-                page_runs.run_desc_ids(local_runs, local.num_layers, local.runs_per_layer)
+            return False
+        sides = []
+        for run_list, ids_by_group, buffer_name in (
+            (local, read_spec.local_block_ids, "local"),
+            (remote, read_spec.remote_block_ids, "remote"),
+        ):
+            desc_ids = page_runs.request_desc_ids(
+                [
+                    (kind is blocks.GroupKind.MAMBA, np.asarray(ids, dtype=np.int64))
+                    for kind, ids in zip(self._group_kinds, ids_by_group, strict=True)
+                ],
+                run_blocks=remote.run_blocks,
+                num_layers=run_list.num_layers,
+                runs_per_layer=run_list.runs_per_layer,
+                logical_blocks=run_list.logical_blocks,
+                buffer=self._desc_id_buffers.get(buffer_name),
             )
-            remote_parts.append(
-                page_runs.run_desc_ids(remote_runs, remote.num_layers, remote.runs_per_layer)
+            if desc_ids is None:
+                return False
+            self._desc_id_buffers[buffer_name] = (
+                desc_ids.base if desc_ids.base is not None else desc_ids
             )
-        self._post_read(
-            request_id,
-            dst_engine_id,
-            read_spec.remote_rank,
-            remote_request_id,
-            (local.handle, np.concatenate(local_parts).astype(np.int32)),
-            (remote.handle, np.concatenate(remote_parts).astype(np.int32)),
-        )
+            sides.append((run_list.handle, desc_ids))
+        self._post_read(request_id, dst_engine_id, read_spec.remote_rank, remote_request_id, *sides)
         return True
+
+    @functools.cached_property
+    def _desc_id_buffers(self) -> dict[str, np.ndarray]:
+        """Reused int32 id arrays, one per side (NIXL copies the ids it is given)."""
+        return {}
 
     def _post_read(
         self,

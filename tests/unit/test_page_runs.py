@@ -94,9 +94,35 @@ def test_lists_that_are_not_whole_aligned_runs_have_no_run_ids(kernel_ids):
     assert page_runs.run_ids_of(np.asarray(kernel_ids, dtype=np.int64), 6) is None
 
 
-def test_run_desc_ids_pick_the_run_in_every_layer():
-    ids = page_runs.run_desc_ids(np.asarray([4, 1]), num_layers=3, runs_per_layer=10)
-    assert ids.tolist() == [4, 1, 14, 11, 24, 21]
+def request_ids(groups, buffer=None):
+    return page_runs.request_desc_ids(
+        [(is_mamba, np.asarray(ids, dtype=np.int64)) for is_mamba, ids in groups],
+        run_blocks=6,
+        num_layers=3,
+        runs_per_layer=10,
+        logical_blocks=10,
+        buffer=buffer,
+    )
+
+
+def test_request_ids_take_each_run_in_every_layer_then_mamba_blocks_in_every_region():
+    ids = request_ids([(False, [24, 25, 26, 27, 28, 29, 6, 7, 8, 9, 10, 11]), (True, [7])])
+    runs = [4, 1, 14, 11, 24, 21]
+    mamba = [30 + region * 10 + 7 for region in range(12)]  # after 3 layers x 10 runs
+    assert ids.dtype == np.int32
+    assert ids.tolist() == runs + mamba
+
+
+def test_request_ids_reuse_a_large_enough_buffer_and_ignore_a_small_one():
+    buffer = np.full(100, -1, dtype=np.int32)
+    ids = request_ids([(False, [6, 7, 8, 9, 10, 11])], buffer=buffer)
+    assert ids.base is buffer and ids.tolist() == [1, 11, 21]
+    ids = request_ids([(False, list(range(6 * 40)))], buffer=np.empty(3, dtype=np.int32))
+    assert ids.size == 3 * 40
+
+
+def test_request_ids_refuse_a_list_that_is_not_whole_runs():
+    assert request_ids([(False, [6, 7, 8]), (True, [1])]) is None
 
 
 @pytest.mark.parametrize("ratio", [1, 6])
@@ -120,8 +146,18 @@ def test_mamba_ids_pick_the_descriptors_upstream_picks(ratio):
         physical_blocks_per_logical=ratio,
     )
     upstream_fa_descs_count = 2 * LAYERS * logical_blocks * ratio
-    ours = page_runs.mamba_desc_ids(np.asarray(mamba_ids), LAYERS, logical_blocks, first_desc=1000)
-    assert np.array_equal(ours - 1000, np.asarray(upstream) - upstream_fa_descs_count)
+    runs_per_layer = logical_blocks  # one run per logical block
+    ours = page_runs.request_desc_ids(
+        [(False, np.asarray([], dtype=np.int64)), (True, np.asarray(mamba_ids))],
+        run_blocks=ratio,
+        num_layers=LAYERS,
+        runs_per_layer=runs_per_layer,
+        logical_blocks=logical_blocks,
+    )
+    ours_fa_descs_count = LAYERS * runs_per_layer
+    assert np.array_equal(
+        ours - ours_fa_descs_count, np.asarray(upstream) - upstream_fa_descs_count
+    )
 
 
 def whole_pages(**overrides):

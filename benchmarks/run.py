@@ -61,25 +61,6 @@ TRANSFER_LAYERS = 8
 TRANSFER_MAMBA_SHAPES = ((1280, 3), (16, 64, 128))
 
 
-def request_meta(local_ids, remote_ids):
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
-
-    from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE
-
-    return ReqMeta(
-        local_block_ids=local_ids,
-        local_physical_block_ids=[],
-        tp_size=1,
-        remote=RemoteMeta(
-            block_ids=remote_ids,
-            host="127.0.0.1",
-            port=1,
-            engine_id=REMOTE_ENGINE,
-            request_id="prefill-request",
-        ),
-    )
-
-
 def draw_block_ids(rng, kinds, pool, logical_per_request):
     free = rng.choice(pool, logical_per_request + 1, replace=False).tolist()
     return [free[:logical_per_request] if k != "mamba" else [free[-1]] for k in kinds]
@@ -108,13 +89,6 @@ def worker_classes() -> dict[str, type]:
     from vllm_nixl_hma.worker import NixlHMAConnectorWorker
 
     return {"ours": NixlHMAConnectorWorker, "stock": NixlConnectorWorker}
-
-
-def read_request(live, request_id, local, remote) -> None:
-    """Decode's read path for one request, from metadata to the posted transfer."""
-    meta = request_meta(local, remote)
-    meta.local_physical_block_ids = live.worker._logical_to_kernel_block_ids(local)
-    live.worker._read_blocks_for_req(request_id, meta)
 
 
 def draw_requests(kinds, pool, logical_per_request, count, seed) -> list:
@@ -160,7 +134,7 @@ def read_path_case(layout, tokens, ratio, layers, repeats, seed, rounds=2) -> di
                 seen = count_descriptors(live)
                 for index, (local, remote) in enumerate(requests):
                     cpu_started, wall_started = time.thread_time(), time.perf_counter()
-                    read_request(live, f"r{index}", local, remote)
+                    live.read(f"r{index}", local, remote)
                     wall[name].append(time.perf_counter() - wall_started)
                     cpu[name].append(time.thread_time() - cpu_started)
                     live.wait(f"r{index}")
@@ -303,7 +277,7 @@ def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
             samples[name] = []
             for index, (local, remote) in enumerate(requests):
                 started = time.perf_counter()
-                read_request(live, f"r{index}", local, remote)
+                live.read(f"r{index}", local, remote)
                 live.wait(f"r{index}")
                 if index:  # the first read warms UCX up
                     samples[name].append(time.perf_counter() - started)

@@ -107,8 +107,9 @@ def request_desc_ids(
     for attention groups, logical ids for Mamba groups. Attention groups give
     their runs in every layer, Mamba groups their blocks in every region, in
     group order. ``None`` when an attention list is not whole aligned runs.
-    The ids are written into ``buffer`` when it is large enough (the caller
-    may reuse it once NIXL has taken the ids), else into a new array.
+    The result is a view of ``buffer`` when it is large enough (the caller
+    may reuse it once NIXL has taken the ids), else of a new array; either
+    way its ``base`` is the array to pass as ``buffer`` next time.
     """
     rows: list[tuple[np.ndarray, np.ndarray]] = []  # (first id per row, ids per row)
     for is_mamba, block_ids in groups:

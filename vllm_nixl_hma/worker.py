@@ -463,9 +463,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             )
             if desc_ids is None:
                 return False
-            self._desc_id_buffers[buffer_name] = (
-                desc_ids.base if desc_ids.base is not None else desc_ids
-            )
+            self._desc_id_buffers[buffer_name] = desc_ids.base  # a view of the buffer
             sides.append((run_list.handle, desc_ids))
         self._post_read(request_id, dst_engine_id, read_spec.remote_rank, remote_request_id, *sides)
         return True

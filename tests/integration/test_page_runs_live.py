@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
 from vllm_nixl_hma import NixlHMAConnectorWorker
@@ -34,20 +33,7 @@ def read_once(worker_cls, kinds, ratio, local_ids, remote_ids, mocker):
         for cache in live.remote_caches:
             cache.copy_(torch.randint(1, 256, cache.shape, dtype=torch.uint8, generator=generator))
         spy = mocker.spy(live.worker.nixl_wrapper, "make_prepped_xfer")
-        meta = ReqMeta(
-            local_block_ids=local_ids,
-            local_physical_block_ids=[],
-            tp_size=1,
-            remote=RemoteMeta(
-                block_ids=remote_ids,
-                host="127.0.0.1",
-                port=1,
-                engine_id=REMOTE_ENGINE,
-                request_id="prefill-request",
-            ),
-        )
-        meta.local_physical_block_ids = live.worker._logical_to_kernel_block_ids(local_ids)
-        live.worker._read_blocks_for_req("request", meta)
+        live.read("request", local_ids, remote_ids)
         assert not live.worker._failed_recv_reqs
         live.wait("request", timeout_s=30)
         descriptors = sum(len(call.args[2]) for call in spy.call_args_list)
@@ -105,16 +91,7 @@ def test_a_run_read_nixl_refuses_fails_the_request_before_any_byte_moves(mocker)
         mocker.patch.object(
             live.worker.nixl_wrapper, "make_prepped_xfer", side_effect=RuntimeError("NIXL_ERR_X")
         )
-        meta = ReqMeta(
-            local_block_ids=[[3]],
-            local_physical_block_ids=[],
-            tp_size=1,
-            remote=RemoteMeta(
-                block_ids=[[5]], host="127.0.0.1", port=1, engine_id=REMOTE_ENGINE, request_id="p"
-            ),
-        )
-        meta.local_physical_block_ids = live.worker._logical_to_kernel_block_ids([[3]])
-        live.worker._read_blocks_for_req("request", meta)
+        live.read("request", [[3]], [[5]])
         assert live.worker._failed_recv_reqs == {"request"}
         assert not live.worker._recving_transfers.get("request")
         assert REMOTE_ENGINE in live.worker.__dict__["_failed_engine_ids"]

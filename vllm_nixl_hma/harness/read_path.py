@@ -79,6 +79,7 @@ def build_read_path_worker(
     kernel_block_tokens: int = 16,
     window_tokens: int = 40,
     num_regions: int = 2,
+    with_remote: bool = True,
 ):
     from vllm.distributed.kv_transfer.kv_connector.utils import (
         EngineTransferInfo,
@@ -115,26 +116,29 @@ def build_read_path_worker(
         total_num_kv_heads=1,
         attn_backends=[FlashInferBackend],
     )
-    worker.transfer_topo.register_remote_engine(
-        REMOTE_ENGINE,
-        EngineTransferInfo(
-            remote_tp_size=1,
-            remote_block_len=1024,
-            remote_block_size=kernel_block_tokens,
-            remote_physical_blocks_per_logical=remote_ratio,
-        ),
-    )
-    worker.tp_mappings = {
-        REMOTE_ENGINE: compute_tp_mapping(worker.transfer_topo, 1, worker._group_spec_types)
-    }
-    worker.dst_num_blocks = {
-        LOCAL_ENGINE: logical_blocks * local_ratio,
-        REMOTE_ENGINE: logical_blocks * remote_ratio,
-    }
-    worker.src_xfer_handles_by_block_size = {kernel_block_tokens: LOCAL_XFER_HANDLE}
+    worker.tp_mappings = {}
+    worker.dst_num_blocks = {LOCAL_ENGINE: logical_blocks * local_ratio}
+    worker.src_xfer_handles_by_block_size = {}
     worker.src_xfer_handles_by_tp_ratio = {}
-    worker.dst_xfer_side_handles = {REMOTE_ENGINE: {0: REMOTE_XFER_HANDLE}}
-    worker._remote_agents = {REMOTE_ENGINE: {0: "prefill-agent-0"}}
+    worker.dst_xfer_side_handles = defaultdict(dict)
+    worker._remote_agents = defaultdict(dict)
+    if with_remote:  # as add_remote_agent leaves it, with made-up handles
+        worker.transfer_topo.register_remote_engine(
+            REMOTE_ENGINE,
+            EngineTransferInfo(
+                remote_tp_size=1,
+                remote_block_len=1024,
+                remote_block_size=kernel_block_tokens,
+                remote_physical_blocks_per_logical=remote_ratio,
+            ),
+        )
+        worker.tp_mappings[REMOTE_ENGINE] = compute_tp_mapping(
+            worker.transfer_topo, 1, worker._group_spec_types
+        )
+        worker.dst_num_blocks[REMOTE_ENGINE] = logical_blocks * remote_ratio
+        worker.src_xfer_handles_by_block_size[kernel_block_tokens] = LOCAL_XFER_HANDLE
+        worker.dst_xfer_side_handles[REMOTE_ENGINE][0] = REMOTE_XFER_HANDLE
+        worker._remote_agents[REMOTE_ENGINE][0] = "prefill-agent-0"
     worker.nixl_wrapper = nixl_wrapper
     worker._recving_transfers = defaultdict(list)
     worker._recving_metadata = {}
@@ -163,6 +167,29 @@ class LiveReadPath:
     local_caches: list  # per layer, uint8 (kernel pages x page bytes)
     remote_caches: list
     registrations: list  # (agent, registered descriptors)
+
+    def read(self, request_id: str, local_ids, remote_ids) -> None:
+        """Decode's read path for one request (logical ids per group on each
+        side), from metadata to the posted transfer."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            RemoteMeta,
+            ReqMeta,
+        )
+
+        meta = ReqMeta(
+            local_block_ids=local_ids,
+            local_physical_block_ids=[],
+            tp_size=1,
+            remote=RemoteMeta(
+                block_ids=remote_ids,
+                host="127.0.0.1",
+                port=1,
+                engine_id=REMOTE_ENGINE,
+                request_id=f"prefill-{request_id}",
+            ),
+        )
+        meta.local_physical_block_ids = self.worker._logical_to_kernel_block_ids(local_ids)
+        self.worker._read_blocks_for_req(request_id, meta)
 
     def wait(self, request_id: str, timeout_s: float = 60.0) -> None:
         """Wait for the request's reads, then release them."""
@@ -234,6 +261,7 @@ def build_live_read_path(
         logical_blocks=logical_blocks,
         kernel_block_tokens=kernel_block_tokens,
         num_regions=2 * layers,  # blocks-first: K and V of each layer
+        with_remote=False,  # added below by add_remote_agent
     )
     kernel_blocks = logical_blocks * physical_per_logical
     local_caches = [
@@ -255,9 +283,6 @@ def build_live_read_path(
     worker.kv_caches_base_addr = defaultdict(dict)
     worker.kv_caches_base_addr[LOCAL_ENGINE][0] = [t.data_ptr() for t in local_caches]
     worker._registered_descs = []
-    worker._remote_agents = defaultdict(dict)
-    worker.dst_xfer_side_handles = defaultdict(dict)
-    worker.src_xfer_handles_by_block_size = {}
     worker._handshake_initiation_executor = types.SimpleNamespace(shutdown=lambda wait: None)
     worker.vllm_config = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(enable_prefix_caching=False),
@@ -279,9 +304,6 @@ def build_live_read_path(
     worker.src_xfer_handles_by_block_size[kernel_block_tokens], worker.src_blocks_data = (
         worker.register_local_xfer_handler(kernel_block_tokens)
     )
-    worker.dst_num_blocks.pop(REMOTE_ENGINE, None)
-    worker.transfer_topo._engines.pop(REMOTE_ENGINE, None)
-    worker.tp_mappings.pop(REMOTE_ENGINE, None)
     worker.add_remote_agent(
         NixlAgentMetadata(
             engine_id=REMOTE_ENGINE,

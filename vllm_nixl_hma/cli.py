@@ -20,7 +20,7 @@ from vllm_nixl_hma import __version__
 
 CONNECTORS = ("NixlHMAConnector", "NixlConnector")
 DEFAULT_TP_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
-DEFAULT_LAYOUTS = ("dense", "swa", "hybrid", "hybrid-1group")
+DEFAULT_LAYOUTS = ("dense", "swa", "hybrid", "hybrid-1group", "gdn")
 SCENARIOS = ("mid-block", "boundary")
 
 

@@ -7,7 +7,12 @@ what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["BlockAlignmentError", "IncompatibleRemoteError", "UnsupportedVersionError"]
+__all__ = [
+    "BlockAlignmentError",
+    "IncompatibleRemoteError",
+    "UnsupportedModelError",
+    "UnsupportedVersionError",
+]
 
 
 class BlockAlignmentError(ValueError):
@@ -42,3 +47,8 @@ class IncompatibleRemoteError(RuntimeError):
 
 class UnsupportedVersionError(ImportError):
     """The installed vLLM is outside the range this release was tested with."""
+
+
+class UnsupportedModelError(RuntimeError):
+    """A model whose KV cache or state this connector cannot move, refused
+    when the worker starts (before any handshake)."""

@@ -1,101 +1,103 @@
-"""Which bytes of a Mamba2 state to read from which prefill rank (pure arithmetic).
+"""Which bytes of a Mamba2 or GatedDeltaNet state to read from which prefill rank.
 
-No vLLM, no torch: numpy and the standard library only, so the rules are tested
-exhaustively against a byte-level simulation (tests/unit/test_mamba_conv.py).
+Pure arithmetic: no vLLM, no torch, numpy and the standard library only, so the
+rules are tested exhaustively against a byte-level simulation
+(tests/unit/test_mamba_conv.py) and tied to vLLM's own loader there.
 
-How vLLM 0.21.0 lays out one Mamba2 layer's state per TP rank (DS conv layout)
--------------------------------------------------------------------------------
+One description serves both layer types. A layer's conv state (DS layout: each
+channel's ``conv_rows`` elements contiguous) is a sequence of named *parts*, each
+sharded across TP ranks or replicated on every rank (``ConvPart``); its SSM /
+recurrent state is ``(heads // tp, ...)``, heads always sharded. A state model
+(``Mamba2State``, ``GatedDeltaNetState``) gives the parts at a TP size; every
+plan below is computed from parts alone.
 
-* ``model_executor/layers/mamba/mamba_utils.py``,
-  ``MambaStateShapeCalculator.mamba2_state_shape``: the conv state of one block is
-  ``(conv_dim // tp, conv_kernel - 1)`` with ``conv_dim = intermediate_size +
-  2 * n_groups_padded * d_state`` (``_orient_conv_shape`` keeps that order for DS),
-  and the SSM state is ``(num_heads // tp, head_dim, d_state)``, heads always sharded.
-  ``n_groups_padded = n_groups + extra_groups_for_head_shards(n_groups, tp)``: 0 extra
-  when ``tp`` divides ``n_groups``, else ``tp - n_groups``.
-* ``model_executor/layers/mamba/mamba_mixer2.py``, ``MambaMixer2.__init__``: vLLM only
-  accepts ``n_groups % tp == 0 or n_groups == 1`` (the assert before ``self.n_groups``
-  is set). When ``tp`` divides ``n_groups`` the conv weights are a
-  ``MergedColumnParallelLinear`` with output sizes ``[intermediate_size, G*d_state,
-  G*d_state]``; its ``weight_loader`` (``layers/linear.py``: ``shard_offset =
-  sum(output_sizes[:id]) // tp_size``, ``start_idx = tp_rank * shard_size``) gives
-  rank ``r`` the ``r``-th contiguous shard of x, of B and of C, laid out x, B, C.
-  Otherwise (``n_groups == 1``, ``tp > 1``) conv1d is a plain ``ColumnParallelLinear``
-  loaded by ``mamba_v2_sharded_weight_loader`` with ``group_shard_settings =
-  (n_groups_padded*d_state, (n_groups_padded - n_groups)*d_state, n_groups == 1)``:
-  for B and C ``rank = 0 if duplicate_groups else tp_rank`` and ``take =
-  min(shard_size, full_dim - extra - loaded_skip) = d_state``, so *every* rank holds
-  group 0 whole (x is still sharded by ``tp_rank``). The forward pass splits the conv
-  channels as ``[intermediate_size // tp, groups_ss // tp, groups_ss // tp]``
-  (``split_hidden_states_B_C_fn``), and the conv state rows are those channels.
-* In the DS layout a channel's ``conv_rows`` elements are contiguous, so on every
-  rank x, B and C are three contiguous byte ranges of the conv page.
+vLLM 0.21.0's rules, restated (line numbers in the installed ``site-packages/vllm``)
+---------------------------------------------------------------------------------
 
-Line numbers in the installed vLLM 0.21.0 (``site-packages/vllm``):
-``model_executor/layers/mamba/mamba_mixer2.py`` 168-230 (``mamba_v2_sharded_weight_loader``;
-200 ``rank = 0 if duplicate_groups``, 207 ``take = min(...)``), 286 (the n_groups assert),
-299-310 (padding), 312-322 (merged, sharded conv1d), 338-367 (replicated conv1d,
-``group_shard_settings``), 506-513 (x/B/C split); ``model_executor/layers/linear.py``
-812-815 and 851-853 (``MergedColumnParallelLinear.weight_loader`` shard offset and
-``start_idx``); ``model_executor/layers/mamba/mamba_utils.py`` 162-187 and 201-210;
-``distributed/kv_transfer/kv_connector/v1/nixl/tp_mapping.py`` 97-104 (SSM source ranks);
-``.../v1/nixl/worker.py`` 153-197 (``_build_local_splits_from_plan``), 981-1019
-(``_build_mamba_local``), 1021-1077 (``_build_mamba_remote``);
-``.../v1/ssm_conv_transfer_utils.py`` 62-85 (``remote_conv_offsets``), 88-164
-(``derive_mamba_conv_split``).
+Both layers load their conv weight with ``mamba_v2_sharded_weight_loader``
+(``model_executor/layers/mamba/mamba_mixer2.py`` 168-230), whose shard spec is one
+``(full_dim, extra, duplicate_groups)`` per part: rank ``r`` takes
+``min(full_dim // tp, full_dim - extra - rank*(full_dim // tp))`` channels from
+``rank*(full_dim // tp)`` of that part, with ``rank = 0 if duplicate_groups else r``
+(200, 207), parts laid out one after the other.
 
-How vLLM 0.21.0 reads them (what goes wrong)
---------------------------------------------
+* Mamba2 (``MambaMixer2.__init__``): parts x (``intermediate_size``), B and C
+  (``n_groups * d_state`` each). vLLM accepts ``n_groups % tp == 0 or n_groups ==
+  1`` (286). When ``tp`` divides ``n_groups`` conv1d is a
+  ``MergedColumnParallelLinear`` (312-322; ``layers/linear.py`` 812-815, 851-853):
+  every part sharded. Otherwise (one group, ``tp > 1``) the group count is padded
+  to ``tp`` (299-310) and B, C have ``duplicate_groups`` (338-367): every rank holds
+  group 0 whole, x is still sharded. The forward pass splits the channels as
+  ``[intermediate_size // tp, groups_ss // tp, groups_ss // tp]`` (506-513). SSM
+  state ``(num_heads // tp, head_dim, d_state)`` (``mamba_utils.py`` 162-187).
+* GatedDeltaNet (``model_executor/layers/mamba/gdn_linear_attn.py``,
+  ``GatedDeltaNetAttention.__init__``): ``key_dim = linear_key_head_dim *
+  linear_num_key_heads``, ``value_dim = linear_value_head_dim *
+  linear_num_value_heads`` (272-278); conv1d is a ``ColumnParallelLinear`` of
+  ``2 * key_dim + value_dim`` (312-318) loaded with the spec ``[(key_dim, 0, False),
+  (key_dim, 0, False), (value_dim, 0, False)]`` (344-356): parts q, k, v, each
+  sharded, split in the forward pass as ``[key_dim // tp, key_dim // tp,
+  value_dim // tp]`` (635-639). Key and value sizes differ in real models. The
+  recurrent state is ``(num_v_heads // tp, head_v_dim, head_k_dim)``
+  (``mamba_utils.py`` 213-234).
 
-``distributed/kv_transfer/kv_connector/v1/nixl/tp_mapping.py``, ``compute_tp_mapping``:
-for SSM groups decode rank ``r`` reads prefill ranks ``r*k .. r*k+k-1`` when
-``P_TP = k * D_TP``, and prefill rank ``r * P_TP // D_TP`` otherwise.
-``nixl/worker.py``: ``_build_local_splits_from_plan`` splits each local x, B, C and SSM
-region into ``k`` equal chunks, chunk ``i`` filled from the ``i``-th source rank;
-``_build_mamba_remote`` reads offsets from ``MambaConvSplitInfo.remote_conv_offsets``
-(``ssm_conv_transfer_utils.py``) when ``D_TP >= P_TP`` and the decode sizes divided by
-``k`` when ``P_TP > D_TP``. Both assume B and C are sharded like x. With a replicated
-group (``n_groups == 1`` and a TP above 1 on either side) and ``P_TP != D_TP`` that
-is false and B/C arrive wrong while x and the SSM state are right.
+How vLLM 0.21.0's NIXL worker reads them (what goes wrong)
+-----------------------------------------------------------
 
-The rule used here: every rank's x, B and C region is a contiguous run of one
-*global* component array (x, or the unpadded ``n_groups * d_state`` B/C channels), so
-a decode chunk is read from its source prefill rank at ``prefill region start +
-(chunk's global start - prefill region's global start)``, after checking that the
-prefill rank holds the whole chunk.
+``nixl/tp_mapping.py``, ``compute_tp_mapping`` (97-104): for SSM groups decode rank
+``r`` reads prefill ranks ``r*k .. r*k+k-1`` when ``P_TP = k * D_TP``, and prefill
+rank ``r * P_TP // D_TP`` otherwise. ``nixl/worker.py``:
+``_build_local_splits_from_plan`` (153-197) splits each local conv part and the
+SSM region into ``k`` equal chunks, chunk ``i`` filled from the ``i``-th source
+rank; ``_build_mamba_remote`` (1021-1077) takes offsets from
+``MambaConvSplitInfo`` (``ssm_conv_transfer_utils.py`` 62-164), which only knows
+Mamba2 (x, then B and C of equal size) and raises ``NotImplementedError`` for any
+other type, GatedDeltaNet included; and which assumes B and C sharded like x, so
+with a replicated group and ``P_TP != D_TP`` B/C arrive wrong while x and the SSM
+state are right.
+
+The rule used here: every rank's region of a part is a contiguous run of that
+part's global (unpadded) channels, so a decode chunk is read from its source
+prefill rank at ``prefill region start + (chunk's global start - prefill region's
+global start)``, after checking that the prefill rank holds the whole chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "CONV_COMPONENTS",
+    "ConvPart",
+    "GatedDeltaNetState",
+    "Mamba2State",
     "ReadSlice",
+    "StateModel",
     "StateRegion",
     "conv_channel_ids",
     "conv_read_plan",
     "conv_regions",
+    "gated_delta_net_state",
     "groups_replicated",
-    "local_group_ids",
+    "mamba2_params",
     "padded_n_groups",
     "plan_by_p_rank",
     "respects_vllm_local_splits",
     "source_p_ranks",
     "ssm_head_ids",
     "ssm_read_plan",
+    "state_model_of",
     "stock_conv_read_plan",
     "stock_ssm_read_plan",
     "vllm_local_chunks",
 ]
 
-Component = Literal["x", "B", "C", "ssm"]
-CONV_COMPONENTS: tuple[Component, ...] = ("x", "B", "C")
+#: The component name of the SSM / recurrent state in a ``ReadSlice``.
+SSM = "ssm"
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class ReadSlice:
     """
 
     p_rank: int
-    component: Component
+    component: str
     remote_offset_bytes: int
     local_offset_bytes: int
     size_bytes: int
@@ -115,17 +117,32 @@ class ReadSlice:
 
 @dataclass(frozen=True)
 class StateRegion:
-    """Where one component (x, B, C or the SSM heads) sits on one rank.
+    """Where one component (a conv part, or the SSM heads) sits on one rank.
 
     ``page_offset_bytes``: offset inside the rank's conv state (SSM: its SSM state).
     ``global_offset_bytes``: offset inside the global (unpadded, un-sharded)
     component array in DS layout, i.e. ``first global channel * row bytes``.
     """
 
-    component: Component
+    component: str
     page_offset_bytes: int
     global_offset_bytes: int
     size_bytes: int
+
+
+@dataclass(frozen=True)
+class ConvPart:
+    """One named part of a conv state at one TP size (an entry of the shard spec
+    vLLM hands ``mamba_v2_sharded_weight_loader``).
+
+    ``channels``: the part's global channel count, unpadded. Sharded: rank ``r``
+    holds channels ``r*channels/tp .. (r+1)*channels/tp - 1``. Replicated: every
+    rank holds all of them (vLLM's ``duplicate_groups``).
+    """
+
+    name: str
+    channels: int
+    replicated: bool = False
 
 
 # ----------------------------------------------------------------------------
@@ -145,28 +162,6 @@ def _check_rank(tp_size: int, tp_rank: int, side: str = "") -> None:
         raise ValueError(f"{side}tp_rank {tp_rank} out of range for tp_size {tp_size}")
 
 
-def _check_mixer(
-    intermediate_size: int, n_groups: int, d_state: int, num_heads: int, tp_size: int
-) -> None:
-    """The configurations MambaMixer2.__init__ (vLLM 0.21.0) accepts."""
-    _require_positive(
-        intermediate_size=intermediate_size,
-        n_groups=n_groups,
-        d_state=d_state,
-        num_heads=num_heads,
-        tp_size=tp_size,
-    )
-    if num_heads % tp_size:
-        raise ValueError(f"tp_size {tp_size} must divide num_heads {num_heads}")
-    if intermediate_size % num_heads:
-        raise ValueError(f"num_heads {num_heads} must divide intermediate_size {intermediate_size}")
-    if n_groups % tp_size and n_groups != 1:
-        raise ValueError(
-            f"vLLM's Mamba2 mixer needs tp_size ({tp_size}) to divide n_groups "
-            f"({n_groups}) or n_groups == 1"
-        )
-
-
 def _check_tp_pair(p_tp: int, d_tp: int, d_rank: int) -> None:
     _check_rank(d_tp, d_rank, side="decode ")
     _require_positive(p_tp=p_tp)
@@ -174,8 +169,13 @@ def _check_tp_pair(p_tp: int, d_tp: int, d_rank: int) -> None:
         raise ValueError(f"one of p_tp {p_tp} and d_tp {d_tp} must divide the other")
 
 
+def _check_divides(tp_size: int, what: str, count: int) -> None:
+    if count % tp_size:
+        raise ValueError(f"tp_size {tp_size} must divide {what} {count}")
+
+
 # ----------------------------------------------------------------------------
-# Layout of one rank (mirrors vLLM 0.21.0's Mamba2 mixer)
+# The state models: a layer's conv parts and state heads at a TP size
 # ----------------------------------------------------------------------------
 
 
@@ -191,90 +191,163 @@ def groups_replicated(n_groups: int, tp_size: int) -> bool:
     return n_groups % tp_size != 0
 
 
-def local_group_ids(n_groups: int, tp_size: int, tp_rank: int) -> range:
-    """True (unpadded) groups whose B and C channels ``tp_rank`` holds, in order.
+@dataclass(frozen=True)
+class Mamba2State:
+    """A Mamba2 mixer's dimensions (global, before TP): conv parts x, B, C."""
 
-    Sharded (``tp`` divides ``n_groups``): MergedColumnParallelLinear gives shard
-    ``tp_rank``. Replicated (``n_groups == 1``): ``mamba_v2_sharded_weight_loader`` uses
-    ``rank = 0`` and ``take = d_state`` for every rank, so each holds group 0.
+    intermediate_size: int
+    n_groups: int
+    d_state: int
+    num_heads: int
+
+    kind = "mamba2"
+
+    def conv_parts(self, tp_size: int) -> tuple[ConvPart, ...]:
+        """The configurations MambaMixer2.__init__ (vLLM 0.21.0) accepts, and
+        how it shards them (module docstring)."""
+        _require_positive(
+            intermediate_size=self.intermediate_size,
+            n_groups=self.n_groups,
+            d_state=self.d_state,
+            num_heads=self.num_heads,
+            tp_size=tp_size,
+        )
+        _check_divides(tp_size, "num_heads", self.num_heads)
+        if self.intermediate_size % self.num_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must divide intermediate_size {self.intermediate_size}"
+            )
+        if self.n_groups % tp_size and self.n_groups != 1:
+            raise ValueError(
+                f"vLLM's Mamba2 mixer needs tp_size ({tp_size}) to divide n_groups "
+                f"({self.n_groups}) or n_groups == 1"
+            )
+        replicated = groups_replicated(self.n_groups, tp_size)
+        groups_ss = self.n_groups * self.d_state
+        return (
+            ConvPart("x", self.intermediate_size),
+            ConvPart("B", groups_ss, replicated),
+            ConvPart("C", groups_ss, replicated),
+        )
+
+    @property
+    def state_heads(self) -> int:
+        """Heads of the SSM state (always sharded)."""
+        return self.num_heads
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetState:
+    """A GatedDeltaNet layer's dimensions (global): conv parts q, k, v.
+
+    q and k have ``num_k_heads * head_k_dim`` channels, v has ``num_v_heads *
+    head_v_dim``: in real models (Qwen3-Next, Qwen3.5) these differ.
     """
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    kind = "gdn"
+
+    def conv_parts(self, tp_size: int) -> tuple[ConvPart, ...]:
+        """GatedDeltaNetAttention.__init__ (vLLM 0.21.0): all three parts sharded."""
+        _require_positive(
+            num_k_heads=self.num_k_heads,
+            num_v_heads=self.num_v_heads,
+            head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim,
+            tp_size=tp_size,
+        )
+        # the forward pass reshapes by num_k_heads // tp and num_v_heads // tp
+        _check_divides(tp_size, "linear_num_key_heads", self.num_k_heads)
+        _check_divides(tp_size, "linear_num_value_heads", self.num_v_heads)
+        key_dim = self.num_k_heads * self.head_k_dim
+        return (
+            ConvPart("q", key_dim),
+            ConvPart("k", key_dim),
+            ConvPart("v", self.num_v_heads * self.head_v_dim),
+        )
+
+    @property
+    def state_heads(self) -> int:
+        """Heads of the recurrent state ``(num_v_heads // tp, head_v_dim, head_k_dim)``."""
+        return self.num_v_heads
+
+
+StateModel = Mamba2State | GatedDeltaNetState
+
+
+# ----------------------------------------------------------------------------
+# Layout of one rank
+# ----------------------------------------------------------------------------
+
+
+def _local_channels(part: ConvPart, tp_size: int, tp_rank: int) -> range:
+    """Global channels of ``part`` that ``tp_rank`` holds, in order."""
+    if part.replicated:
+        return range(part.channels)
+    per_rank = part.channels // tp_size
+    return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+
+
+def _parts(model: StateModel, tp_size: int, tp_rank: int) -> tuple[ConvPart, ...]:
+    parts = model.conv_parts(tp_size)
     _check_rank(tp_size, tp_rank)
-    if groups_replicated(n_groups, tp_size):
-        if n_groups != 1:
-            raise ValueError("vLLM only replicates groups when n_groups == 1")
-        return range(0, 1)
-    per_rank = n_groups // tp_size
-    return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    for part in parts:
+        if not part.replicated:
+            _check_divides(tp_size, f"the {part.name} channels", part.channels)
+    return parts
 
 
-def _local_x_ids(intermediate_size: int, tp_size: int, tp_rank: int) -> range:
-    per_rank = intermediate_size // tp_size
-    return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
-
-
-def conv_channel_ids(
-    intermediate_size: int,
-    n_groups: int,
-    d_state: int,
-    num_heads: int,
-    tp_size: int,
-    tp_rank: int,
-) -> npt.NDArray[np.int64]:
+def conv_channel_ids(model: StateModel, tp_size: int, tp_rank: int) -> npt.NDArray[np.int64]:
     """Global id of each local conv channel of ``tp_rank``, in conv-state order.
 
-    x channel ``c`` -> ``c``; B of true group ``g``, state ``s`` ->
-    ``intermediate_size + g*d_state + s``; C -> that plus ``n_groups*d_state``.
-    Replicated groups give the same ids on different ranks.
+    Parts are numbered one after the other: channel ``c`` of the part that
+    follows parts of ``n`` channels in all is ``n + c`` (Mamba2: x, then B,
+    then C; GatedDeltaNet: q, k, v). Replicated parts give the same ids on
+    every rank.
     """
-    _check_mixer(intermediate_size, n_groups, d_state, num_heads, tp_size)
-    _check_rank(tp_size, tp_rank)
-    x_ids = np.asarray(_local_x_ids(intermediate_size, tp_size, tp_rank), dtype=np.int64)
-    groups = np.asarray(local_group_ids(n_groups, tp_size, tp_rank), dtype=np.int64)
-    bc_flat = (groups[:, None] * d_state + np.arange(d_state, dtype=np.int64)[None, :]).ravel()
-    b_ids = intermediate_size + bc_flat
-    c_ids = intermediate_size + n_groups * d_state + bc_flat
-    return np.concatenate([x_ids, b_ids, c_ids])
+    ids = []
+    first_global = 0
+    for part in _parts(model, tp_size, tp_rank):
+        local = _local_channels(part, tp_size, tp_rank)
+        ids.append(np.arange(local.start, local.stop, dtype=np.int64) + first_global)
+        first_global += part.channels
+    return np.concatenate(ids)
 
 
 def ssm_head_ids(num_heads: int, tp_size: int, tp_rank: int) -> npt.NDArray[np.int64]:
-    """Global heads of ``tp_rank``'s SSM state (mamba2_state_shape: heads always sharded)."""
+    """Global heads of ``tp_rank``'s SSM state (heads always sharded)."""
     _require_positive(num_heads=num_heads)
     _check_rank(tp_size, tp_rank)
-    if num_heads % tp_size:
-        raise ValueError(f"tp_size {tp_size} must divide num_heads {num_heads}")
+    _check_divides(tp_size, "num_heads", num_heads)
     per_rank = num_heads // tp_size
     return np.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, dtype=np.int64)
 
 
 def conv_regions(
-    intermediate_size: int,
-    n_groups: int,
-    d_state: int,
-    num_heads: int,
-    conv_rows: int,
-    dtype_size: int,
-    tp_size: int,
-    tp_rank: int,
-) -> dict[Component, StateRegion]:
-    """x, B and C regions of ``tp_rank``'s conv state, in bytes."""
-    _check_mixer(intermediate_size, n_groups, d_state, num_heads, tp_size)
+    model: StateModel, conv_rows: int, dtype_size: int, tp_size: int, tp_rank: int
+) -> dict[str, StateRegion]:
+    """Every conv part's region on ``tp_rank``, in bytes, in conv-state order."""
     _require_positive(conv_rows=conv_rows, dtype_size=dtype_size)
     row_bytes = conv_rows * dtype_size
-    x_ids = _local_x_ids(intermediate_size, tp_size, tp_rank)
-    groups = local_group_ids(n_groups, tp_size, tp_rank)
-    x_size_bytes = len(x_ids) * row_bytes
-    bc_size_bytes = len(groups) * d_state * row_bytes
-    bc_global_offset_bytes = groups.start * d_state * row_bytes
-    return {
-        "x": StateRegion("x", 0, x_ids.start * row_bytes, x_size_bytes),
-        "B": StateRegion("B", x_size_bytes, bc_global_offset_bytes, bc_size_bytes),
-        "C": StateRegion("C", x_size_bytes + bc_size_bytes, bc_global_offset_bytes, bc_size_bytes),
-    }
+    regions = {}
+    page_offset_bytes = 0
+    for part in _parts(model, tp_size, tp_rank):
+        local = _local_channels(part, tp_size, tp_rank)
+        size_bytes = len(local) * row_bytes
+        regions[part.name] = StateRegion(
+            part.name, page_offset_bytes, local.start * row_bytes, size_bytes
+        )
+        page_offset_bytes += size_bytes
+    return regions
 
 
 def _ssm_region(num_heads: int, head_bytes: int, tp_size: int, tp_rank: int) -> StateRegion:
     heads = ssm_head_ids(num_heads, tp_size, tp_rank)
-    return StateRegion("ssm", 0, int(heads[0]) * head_bytes, len(heads) * head_bytes)
+    return StateRegion(SSM, 0, int(heads[0]) * head_bytes, len(heads) * head_bytes)
 
 
 # ----------------------------------------------------------------------------
@@ -299,7 +372,7 @@ def _equal_chunk(size_bytes: int, num_chunks: int, index: int) -> tuple[int, int
 
 def _plan_from_regions(
     d_regions: Sequence[StateRegion],
-    p_regions_by_rank: dict[int, dict[Component, StateRegion]],
+    p_regions_by_rank: dict[int, dict[str, StateRegion]],
     sources: Sequence[int],
 ) -> list[ReadSlice]:
     """Chunk ``i`` of each decode region comes from ``sources[i]`` at the same global bytes."""
@@ -339,30 +412,20 @@ def _plan_from_regions(
 
 
 def conv_read_plan(
-    intermediate_size: int,
-    n_groups: int,
-    d_state: int,
-    num_heads: int,
-    conv_rows: int,
-    dtype_size: int,
-    p_tp: int,
-    d_tp: int,
-    d_rank: int,
+    model: StateModel, conv_rows: int, dtype_size: int, p_tp: int, d_tp: int, d_rank: int
 ) -> list[ReadSlice]:
     """Reads that fill decode rank ``d_rank``'s conv state with the right channels.
 
-    Ordered by component (x, B, C), then by source rank. When ``P_TP > D_TP`` the
-    local side of each component is cut into ``k`` chunks like
+    Ordered by part (conv-state order), then by source rank. When ``P_TP > D_TP``
+    the local side of each part is cut into ``k`` chunks like
     ``_build_local_splits_from_plan`` does; where a region's byte size is not a
-    multiple of ``k`` the chunks are uneven (see ``respects_vllm_local_splits``) and
-    the connector must register these local descriptors itself.
+    multiple of ``k`` the chunks are uneven (see ``respects_vllm_local_splits``).
     """
     _check_tp_pair(p_tp, d_tp, d_rank)
-    shape = (intermediate_size, n_groups, d_state, num_heads, conv_rows, dtype_size)
     sources = source_p_ranks(p_tp, d_tp, d_rank)
-    d_regions = conv_regions(*shape, d_tp, d_rank)
-    p_regions_by_rank = {p: conv_regions(*shape, p_tp, p) for p in sources}
-    return _plan_from_regions([d_regions[c] for c in CONV_COMPONENTS], p_regions_by_rank, sources)
+    d_regions = conv_regions(model, conv_rows, dtype_size, d_tp, d_rank)
+    p_regions_by_rank = {p: conv_regions(model, conv_rows, dtype_size, p_tp, p) for p in sources}
+    return _plan_from_regions(list(d_regions.values()), p_regions_by_rank, sources)
 
 
 def ssm_read_plan(
@@ -370,14 +433,15 @@ def ssm_read_plan(
 ) -> list[ReadSlice]:
     """Reads of the SSM state; offsets relative to the SSM state's start.
 
-    ``head_bytes`` is one head's state: ``head_dim * d_state * ssm dtype size``.
+    ``head_bytes`` is one head's state (Mamba2: ``head_dim * d_state``;
+    GatedDeltaNet: ``head_v_dim * head_k_dim``; times the state dtype size).
     """
     _check_tp_pair(p_tp, d_tp, d_rank)
     _require_positive(head_bytes=head_bytes)
     sources = source_p_ranks(p_tp, d_tp, d_rank)
     d_region = _ssm_region(num_heads, head_bytes, d_tp, d_rank)
-    p_regions: dict[int, dict[Component, StateRegion]] = {
-        p: {"ssm": _ssm_region(num_heads, head_bytes, p_tp, p)} for p in sources
+    p_regions: dict[int, dict[str, StateRegion]] = {
+        p: {SSM: _ssm_region(num_heads, head_bytes, p_tp, p)} for p in sources
     }
     return _plan_from_regions([d_region], p_regions, sources)
 
@@ -388,31 +452,6 @@ def plan_by_p_rank(plan: Sequence[ReadSlice]) -> dict[int, list[ReadSlice]]:
     for read in plan:
         grouped.setdefault(read.p_rank, []).append(read)
     return grouped
-
-
-# ----------------------------------------------------------------------------
-# What stock vLLM 0.21.0 registers
-# ----------------------------------------------------------------------------
-
-
-def _stock_split_bytes(
-    intermediate_size: int,
-    n_groups: int,
-    d_state: int,
-    num_heads: int,
-    conv_rows: int,
-    dtype_size: int,
-    d_tp: int,
-) -> tuple[int, int]:
-    """``MambaConvSplitInfo.x_bytes`` / ``b_bytes`` as ``derive_mamba_conv_split`` gives D."""
-    _check_mixer(intermediate_size, n_groups, d_state, num_heads, d_tp)
-    _require_positive(conv_rows=conv_rows, dtype_size=dtype_size)
-    row_bytes = conv_rows * dtype_size
-    conv_dim_local = (intermediate_size + 2 * padded_n_groups(n_groups, d_tp) * d_state) // d_tp
-    groups_ss = (conv_dim_local * d_tp - intermediate_size) // 2
-    x_bytes = intermediate_size // d_tp * row_bytes
-    b_bytes = groups_ss // d_tp * row_bytes
-    return x_bytes, b_bytes
 
 
 def vllm_local_chunks(
@@ -426,22 +465,58 @@ def vllm_local_chunks(
     return chunks
 
 
-def stock_conv_read_plan(
-    intermediate_size: int,
-    n_groups: int,
-    d_state: int,
-    num_heads: int,
+def respects_vllm_local_splits(
+    plan: Sequence[ReadSlice],
+    model: StateModel,
     conv_rows: int,
     dtype_size: int,
     p_tp: int,
     d_tp: int,
     d_rank: int,
+) -> bool:
+    """Whether ``plan``'s local side equals what vLLM registers locally: each
+    local part whole (``D_TP >= P_TP``), or cut into ``P_TP // D_TP`` equal
+    chunks by ``_build_local_splits_from_plan``, chunk ``i`` for source ``i``.
+
+    False (a replicated B/C region whose byte size is not a multiple of
+    ``P_TP // D_TP``) means the plan cannot be posted through vLLM's local
+    descriptors.
+    """
+    regions = conv_regions(model, conv_rows, dtype_size, d_tp, d_rank)
+    region_offsets = [(r.page_offset_bytes, r.size_bytes) for r in regions.values()]
+    sources = source_p_ranks(p_tp, d_tp, d_rank)
+    vllm_local = [
+        (p_rank, name, offset_bytes, size_bytes)
+        for part_index, name in enumerate(regions)
+        for index, p_rank in enumerate(sources)
+        for offset_bytes, size_bytes in [
+            vllm_local_chunks(region_offsets, len(sources), index)[part_index]
+        ]
+    ]
+    local = [(r.p_rank, r.component, r.local_offset_bytes, r.size_bytes) for r in plan]
+    return local == vllm_local
+
+
+# ----------------------------------------------------------------------------
+# What stock vLLM 0.21.0 registers (Mamba2 only: it refuses every other type)
+# ----------------------------------------------------------------------------
+
+
+def stock_conv_read_plan(
+    model: Mamba2State, conv_rows: int, dtype_size: int, p_tp: int, d_tp: int, d_rank: int
 ) -> list[ReadSlice]:
-    """The x/B/C reads stock vLLM 0.21.0 registers (``_build_mamba_remote`` + local side)."""
+    """The x/B/C reads stock vLLM 0.21.0 registers (``_build_mamba_remote`` + local side).
+
+    ``derive_mamba_conv_split`` gives decode ``x_bytes`` and ``b_bytes`` from its
+    own (padded) conv dim; the prefill-side offsets assume B and C sharded like x.
+    """
     _check_tp_pair(p_tp, d_tp, d_rank)
-    x_bytes, b_bytes = _stock_split_bytes(
-        intermediate_size, n_groups, d_state, num_heads, conv_rows, dtype_size, d_tp
-    )
+    model.conv_parts(d_tp)  # validates
+    _require_positive(conv_rows=conv_rows, dtype_size=dtype_size)
+    row_bytes = conv_rows * dtype_size
+    padded_groups_ss = padded_n_groups(model.n_groups, d_tp) * model.d_state
+    x_bytes = model.intermediate_size // d_tp * row_bytes
+    b_bytes = padded_groups_ss // d_tp * row_bytes
     local_offsets = [(0, x_bytes), (x_bytes, b_bytes), (x_bytes + b_bytes, b_bytes)]
     sources = source_p_ranks(p_tp, d_tp, d_rank)
     if d_tp >= p_tp:
@@ -462,22 +537,15 @@ def stock_conv_read_plan(
             p: (remote_offsets, vllm_local_chunks(local_offsets, abs_ratio, index))
             for index, p in enumerate(sources)
         }
-    return _pair_up(per_rank)
-
-
-def _pair_up(
-    per_rank: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]]]],
-) -> list[ReadSlice]:
-    """Zip remote and local descriptors (NIXL pairs them by index) into slices."""
     plan = []
-    for component_index, component in enumerate(CONV_COMPONENTS):
+    for part_index, name in enumerate(("x", "B", "C")):
         for p_rank, (remote, local) in per_rank.items():
-            remote_offset_bytes, size_bytes = remote[component_index]
-            local_offset_bytes, local_size_bytes = local[component_index]
+            remote_offset_bytes, size_bytes = remote[part_index]
+            local_offset_bytes, local_size_bytes = local[part_index]
             if local_size_bytes != size_bytes:
-                raise ValueError(f"stock descriptor sizes differ for {component}")
+                raise ValueError(f"stock descriptor sizes differ for {name}")
             plan.append(
-                ReadSlice(p_rank, component, remote_offset_bytes, local_offset_bytes, size_bytes)
+                ReadSlice(p_rank, name, remote_offset_bytes, local_offset_bytes, size_bytes)
             )
     return plan
 
@@ -492,7 +560,7 @@ def stock_ssm_read_plan(
     sources = source_p_ranks(p_tp, d_tp, d_rank)
     if d_tp >= p_tp:
         rank_offset = d_rank % (d_tp // p_tp)
-        return [ReadSlice(sources[0], "ssm", rank_offset * d_ssm_bytes, 0, d_ssm_bytes)]
+        return [ReadSlice(sources[0], SSM, rank_offset * d_ssm_bytes, 0, d_ssm_bytes)]
     plan = []
     for index, p_rank in enumerate(sources):
         [(local_offset_bytes, local_size_bytes)] = vllm_local_chunks(
@@ -500,49 +568,13 @@ def stock_ssm_read_plan(
         )
         if local_size_bytes != p_ssm_bytes:
             raise ValueError("stock SSM descriptor sizes differ")
-        plan.append(ReadSlice(p_rank, "ssm", 0, local_offset_bytes, p_ssm_bytes))
+        plan.append(ReadSlice(p_rank, SSM, 0, local_offset_bytes, p_ssm_bytes))
     return plan
 
 
-def respects_vllm_local_splits(
-    plan: Sequence[ReadSlice],
-    intermediate_size: int,
-    n_groups: int,
-    d_state: int,
-    num_heads: int,
-    conv_rows: int,
-    dtype_size: int,
-    p_tp: int,
-    d_tp: int,
-    d_rank: int,
-) -> bool:
-    """Whether ``plan``'s local side equals what vLLM registers locally.
-
-    True means an override only has to change the remote descriptors; False (a
-    replicated B/C region whose byte size is not a multiple of ``P_TP // D_TP``)
-    means it must register the plan's local descriptors too.
-    """
-    stock = stock_conv_read_plan(
-        intermediate_size, n_groups, d_state, num_heads, conv_rows, dtype_size, p_tp, d_tp, d_rank
-    )
-    local = [(r.p_rank, r.component, r.local_offset_bytes, r.size_bytes) for r in plan]
-    stock_local = [(r.p_rank, r.component, r.local_offset_bytes, r.size_bytes) for r in stock]
-    return local == stock_local
-
-
 # ----------------------------------------------------------------------------
-# Mamba2 dimensions of HF configs
+# State models of HF configs
 # ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Mamba2Params:
-    """The Mamba2 mixer dimensions the read plan needs (global, before TP)."""
-
-    intermediate_size: int
-    n_groups: int
-    d_state: int
-    num_heads: int
 
 
 def _first_present(config: Any, *names: str) -> Any:
@@ -553,7 +585,7 @@ def _first_present(config: Any, *names: str) -> Any:
     return None
 
 
-def mamba2_params(hf_config: Any) -> Mamba2Params | None:
+def mamba2_params(hf_config: Any) -> Mamba2State | None:
     """Mamba2 dimensions of a HF config (Bamba, GraniteMoeHybrid, NemotronH,
     FalconH1, Zamba2 field names), or None when the config has none of them."""
     num_heads = _first_present(hf_config, "mamba_n_heads", "mamba_num_heads")
@@ -567,9 +599,36 @@ def mamba2_params(hf_config: Any) -> Mamba2Params | None:
     else:
         expand = _first_present(hf_config, "mamba_expand", "expand")
         intermediate_size = int(expand) * int(hf_config.hidden_size)
-    return Mamba2Params(
+    return Mamba2State(
         intermediate_size=int(intermediate_size),
         n_groups=int(n_groups),
         d_state=int(d_state),
         num_heads=int(num_heads),
     )
+
+
+def gated_delta_net_state(hf_config: Any) -> GatedDeltaNetState | None:
+    """GatedDeltaNet dimensions of a HF config (Qwen3-Next, Qwen3.5 text config:
+    the fields ``GatedDeltaNetAttention.__init__`` reads), or None."""
+    names = (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    )
+    values = [getattr(hf_config, name, None) for name in names]
+    if any(value is None for value in values):
+        return None
+    return GatedDeltaNetState(*(int(value) for value in values))
+
+
+#: vLLM's ``MambaAttentionBackendEnum`` member name -> state model of a HF config
+_STATE_MODELS = {"MAMBA2": mamba2_params, "GDN_ATTN": gated_delta_net_state}
+
+
+def state_model_of(hf_config: Any, mamba_type: str) -> StateModel | None:
+    """The state model of a layer whose ``MambaSpec.mamba_type`` is named
+    ``mamba_type``; None for a type whose state this module does not describe
+    (Mamba1, short conv, linear attention, ...) or a config without the fields."""
+    reader = _STATE_MODELS.get(mamba_type)
+    return None if reader is None else reader(hf_config)

@@ -150,7 +150,11 @@ from vllm_nixl_hma import (  # noqa: E402
     mamba_conv,
     page_runs,
 )
-from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError  # noqa: E402
+from vllm_nixl_hma.errors import (  # noqa: E402
+    BlockAlignmentError,
+    IncompatibleRemoteError,
+    UnsupportedModelError,
+)
 
 __all__ = ["NixlHMAConnectorWorker", "NixlHMAHandshakePayload", "group_kinds_of"]
 
@@ -187,6 +191,74 @@ class PageRunList:
         return self.num_layers * self.runs_per_layer
 
 
+#: upstream's descriptor ids give each Mamba layer 4 regions: 3 conv parts + SSM
+_UPSTREAM_CONV_PARTS = 3
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """What this rank's Mamba-type state is made of; stands in for upstream's
+    ``MambaConvSplitInfo`` (``_conv_decomp``), which describes Mamba2 only.
+
+    ``ssm_sizes`` is upstream's ``(conv state bytes, SSM state bytes)`` per
+    block; ``local_conv_offsets`` is what upstream's ``_build_mamba_local``
+    reads: (offset, size) in bytes of each conv part inside this rank's page.
+    """
+
+    model: mamba_conv.StateModel
+    conv_rows: int
+    conv_dtype_size: int
+    ssm_head_bytes: int
+    ssm_sizes: tuple[int, int]
+    local_conv_offsets: list[tuple[int, int]]
+
+
+def derive_state_split(vllm_config, mamba_spec: MambaSpec, tp_size: int, tp_rank: int):
+    """This rank's ``StateSplit``, from the model's config and checked against
+    the ``MambaSpec`` shapes vLLM's layer reported (DS conv layout).
+
+    Raises ``UnsupportedModelError`` for a state type ``mamba_conv`` does not
+    describe, or a config whose dimensions do not give the spec's shapes.
+    """
+    import torch
+
+    arch = vllm_config.model_config.architecture
+    mamba_type = mamba_spec.mamba_type.name
+    model = mamba_conv.state_model_of(vllm_config.model_config.hf_text_config, mamba_type)
+    if model is None:
+        raise UnsupportedModelError(
+            f"NixlHMAConnector moves Mamba2 and GatedDeltaNet state; {arch} has "
+            f"{mamba_type} layers, whose state it does not know how to split across TP ranks"
+        )
+    (conv_channels, conv_rows), ssm_shape = mamba_spec.shapes[0], mamba_spec.shapes[1]
+    try:
+        expected_channels = mamba_conv.conv_channel_ids(model, tp_size, tp_rank).size
+        expected_heads = mamba_conv.ssm_head_ids(model.state_heads, tp_size, tp_rank).size
+    except ValueError as e:
+        raise UnsupportedModelError(f"{arch} at TP {tp_size}: {e}") from e
+    if (expected_channels, expected_heads) != (conv_channels, ssm_shape[0]):
+        raise UnsupportedModelError(
+            f"{arch} at TP {tp_size}: its config gives {expected_channels} conv channels "
+            f"and {expected_heads} state heads per rank, vLLM's layer has {conv_channels} "
+            f"and {ssm_shape[0]} (state shapes {mamba_spec.shapes})"
+        )
+    conv_dtype_size = torch.empty(0, dtype=mamba_spec.dtypes[0]).element_size()
+    ssm_head_bytes = (
+        int(np.prod(ssm_shape[1:])) * torch.empty(0, dtype=mamba_spec.dtypes[1]).element_size()
+    )
+    regions = mamba_conv.conv_regions(model, conv_rows, conv_dtype_size, tp_size, tp_rank)
+    if len(regions) != _UPSTREAM_CONV_PARTS:
+        raise UnsupportedModelError(f"{arch}: {len(regions)} conv parts, upstream reads 3")
+    return StateSplit(
+        model=model,
+        conv_rows=int(conv_rows),
+        conv_dtype_size=conv_dtype_size,
+        ssm_head_bytes=ssm_head_bytes,
+        ssm_sizes=(conv_channels * conv_rows * conv_dtype_size, ssm_shape[0] * ssm_head_bytes),
+        local_conv_offsets=[(r.page_offset_bytes, r.size_bytes) for r in regions.values()],
+    )
+
+
 def _same_lengths(local_ids_by_group, remote_ids_by_group) -> bool:
     return len(local_ids_by_group) == len(remote_ids_by_group) and all(
         len(local) == len(remote)
@@ -210,6 +282,39 @@ def group_kinds_of(kv_cache_config: KVCacheConfig) -> tuple[blocks.GroupKind, ..
 
 class NixlHMAConnectorWorker(NixlConnectorWorker):
     """vLLM's ``NixlConnectorWorker`` with the departures listed in this module."""
+
+    def __init__(self, vllm_config, engine_id: str, kv_cache_config: KVCacheConfig):
+        """vLLM 0.21.0 ``NixlConnectorWorker.__init__``, with our description of
+        the Mamba-type state in place of upstream's.
+
+        Why: upstream's ``derive_mamba_conv_split`` raises
+        ``NotImplementedError`` for every state but Mamba2, so a GatedDeltaNet
+        hybrid (Qwen3-Next, Qwen3.5) cannot start. What changes: while
+        upstream's constructor runs, that name in upstream's worker module
+        answers ``derive_state_split`` (any other worker in the process keeps
+        upstream's); ``_conv_decomp`` is then a ``StateSplit``. Remove when:
+        upstream moves GatedDeltaNet state (vLLM 0.33 does).
+        """
+
+        def split_for_this_rank(mamba_spec, local_tp):
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return derive_state_split(
+                vllm_config, mamba_spec, local_tp, get_tensor_model_parallel_rank()
+            )
+
+        upstream_split = upstream_worker_module.derive_mamba_conv_split
+        upstream_worker_module.derive_mamba_conv_split = split_for_this_rank
+        try:
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        finally:
+            upstream_worker_module.derive_mamba_conv_split = upstream_split
+
+    @property
+    def _state_split(self) -> StateSplit:
+        if not isinstance(self._conv_decomp, StateSplit):
+            raise RuntimeError("the worker has no Mamba-type state")
+        return self._conv_decomp
 
     @functools.cached_property
     def _group_kinds(self) -> tuple[blocks.GroupKind, ...]:
@@ -585,64 +690,60 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         tp_ratio: int,
         transfer_info: EngineTransferInfo,
     ) -> list[tuple[int, int, int]]:
-        """vLLM 0.21.0 ``NixlConnectorWorker._build_mamba_remote``.
+        """vLLM 0.21.0 ``NixlConnectorWorker._build_mamba_remote``, rewritten.
 
-        Why: upstream's B and C offsets assume sharded SSM groups; with a
-        replicated group and unequal TP they read the wrong bytes. What
-        changes: upstream's list is kept (per layer: x, B, C entries for every
-        block, then the SSM entries) and the B and C entries are rebuilt from
-        ``mamba_conv.conv_read_plan`` for this decode rank and the remote rank
-        being added. Nothing changes when groups are sharded on both sides.
-        Remove when: upstream reads replicated groups right.
+        Why: upstream's offsets come from ``MambaConvSplitInfo``, which knows
+        only Mamba2's x/B/C (and so cannot serve GatedDeltaNet's q/k/v, whose
+        v differs in size from k) and places B and C as if SSM groups were
+        always sharded (wrong for a replicated group under unequal TP). What
+        changes: the same descriptor list (per layer: each conv part for every
+        block, then the SSM state for every block), with offsets from
+        ``mamba_conv.conv_read_plan`` / ``ssm_read_plan`` for this decode rank
+        and the remote rank being added (``add_remote_agent``). Remove when:
+        upstream reads GatedDeltaNet and replicated groups right.
         """
-        descs = super()._build_mamba_remote(nixl_agent_meta, tp_ratio, transfer_info)
-        slices = self._remote_conv_slices(transfer_info.remote_tp_size)
-        if slices is None:
-            return descs
+        split = self._state_split
+        remote_tp_size = transfer_info.remote_tp_size
+        remote_rank = self._remote_tp_rank_being_added
+        conv_reads, ssm_read = self._remote_state_reads(split, remote_tp_size, remote_rank)
+        remote_conv_bytes = sum(
+            region.size_bytes
+            for region in mamba_conv.conv_regions(
+                split.model, split.conv_rows, split.conv_dtype_size, remote_tp_size, remote_rank
+            ).values()
+        )
+        if int(nixl_agent_meta.ssm_sizes[0]) != remote_conv_bytes:
+            raise IncompatibleRemoteError(
+                "ssm_sizes[0] (conv state bytes per block of the prefill rank)",
+                remote_conv_bytes,
+                int(nixl_agent_meta.ssm_sizes[0]),
+                "prefill's conv state is not the one this model has at its TP size; "
+                "both engines must serve the same model",
+            )
         remote_physical_per_logical = transfer_info.remote_physical_blocks_per_logical
         num_blocks = nixl_agent_meta.num_blocks // remote_physical_per_logical
-        num_layers = len(nixl_agent_meta.kv_caches_base_addr)
-        entries_per_layer = 4 * num_blocks  # x, B, C, SSM
-        if len(descs) != num_layers * entries_per_layer:
-            raise RuntimeError(
-                f"upstream _build_mamba_remote returned {len(descs)} descriptors, expected "
-                f"{num_layers} layers x 4 x {num_blocks} blocks: vLLM changed its layout"
-            )
+        device_id = nixl_agent_meta.device_id
+        reads = [(read.remote_offset_bytes, read.size_bytes) for read in conv_reads]
+        reads.append((remote_conv_bytes + ssm_read.remote_offset_bytes, ssm_read.size_bytes))
+        descs: list[tuple[int, int, int]] = []
         for layer, base_addr in enumerate(nixl_agent_meta.kv_caches_base_addr):
             page_stride = nixl_agent_meta.block_lens[layer] * remote_physical_per_logical
-            for part, component in enumerate(mamba_conv.CONV_COMPONENTS):
-                offset_bytes, size_bytes = slices[component]
-                first = layer * entries_per_layer + part * num_blocks
-                for block in range(num_blocks):
-                    descs[first + block] = (
-                        base_addr + block * page_stride + offset_bytes,
-                        size_bytes,
-                        nixl_agent_meta.device_id,
-                    )
+            for offset_bytes, size_bytes in reads:
+                descs.extend(
+                    (base_addr + block * page_stride + offset_bytes, size_bytes, device_id)
+                    for block in range(num_blocks)
+                )
         return descs
 
-    def _remote_conv_slices(self, remote_tp_size: int) -> dict[str, tuple[int, int]] | None:
-        """(remote offset, size) in bytes of x, B and C on the remote rank being
-        added, or None when upstream's offsets are right (groups sharded)."""
-        params = mamba_conv.mamba2_params(self.vllm_config.model_config.hf_config)
-        if params is None or not (
-            mamba_conv.groups_replicated(params.n_groups, self.world_size)
-            or mamba_conv.groups_replicated(params.n_groups, remote_tp_size)
-        ):
-            return None
-        if self._conv_decomp is None:
-            raise RuntimeError("Mamba conv split is not initialised")
-        shape = (
-            params.intermediate_size,
-            params.n_groups,
-            params.d_state,
-            params.num_heads,
-            self._conv_decomp.conv_rows,
-            self._conv_decomp.conv_dtype_size,
-        )
-        plan = mamba_conv.conv_read_plan(*shape, remote_tp_size, self.world_size, self.tp_rank)
+    def _remote_state_reads(
+        self, split: StateSplit, remote_tp_size: int, remote_rank: int | None
+    ) -> tuple[list[mamba_conv.ReadSlice], mamba_conv.ReadSlice]:
+        """This decode rank's conv-part reads (in part order) and SSM read from
+        ``remote_rank``: one of each, as upstream's descriptor ids expect."""
+        shape = (split.model, split.conv_rows, split.conv_dtype_size)
+        conv_plan = mamba_conv.conv_read_plan(*shape, remote_tp_size, self.world_size, self.tp_rank)
         if not mamba_conv.respects_vllm_local_splits(
-            plan, *shape, remote_tp_size, self.world_size, self.tp_rank
+            conv_plan, *shape, remote_tp_size, self.world_size, self.tp_rank
         ):
             raise IncompatibleRemoteError(
                 "tensor_parallel_size",
@@ -652,12 +753,21 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                 "across the prefill ranks this decode rank reads; use TP sizes whose "
                 "ratio divides d_state * (conv_kernel - 1) * dtype size",
             )
-        remote_rank = self._remote_tp_rank_being_added
-        return {
-            read.component: (read.remote_offset_bytes, read.size_bytes)
-            for read in plan
-            if read.p_rank == remote_rank
-        }
+        ssm_plan = mamba_conv.ssm_read_plan(
+            split.model.state_heads,
+            split.ssm_head_bytes,
+            remote_tp_size,
+            self.world_size,
+            self.tp_rank,
+        )
+        conv_reads = [read for read in conv_plan if read.p_rank == remote_rank]
+        ssm_reads = [read for read in ssm_plan if read.p_rank == remote_rank]
+        if len(conv_reads) != _UPSTREAM_CONV_PARTS or len(ssm_reads) != 1:
+            raise RuntimeError(
+                f"decode rank {self.tp_rank} of TP {self.world_size} reads no state "
+                f"from prefill rank {remote_rank} of TP {remote_tp_size}"
+            )
+        return conv_reads, ssm_reads[0]
 
     def register_kv_caches(self, kv_caches):
         """vLLM 0.21.0 ``NixlConnectorWorker.register_kv_caches``, then our record.

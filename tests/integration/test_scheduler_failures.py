@@ -33,7 +33,8 @@ def hybrid_config(tmp_path_factory):
     vllm_config = layout.build_vllm_config(
         model_dir, 1, "NixlHMAConnector", "decode-engine", "kv_consumer", 256, 512
     )
-    kv_cache_config = layout.build_engine_layout(vllm_config, 0).kv_cache_config
+    with layout.single_process_tp_group(vllm_config):
+        kv_cache_config = layout.build_engine_layout(vllm_config, 0).kv_cache_config
     return vllm_config, kv_cache_config
 
 

@@ -1,8 +1,13 @@
 """One TP rank's KV cache, laid out exactly as vLLM 0.21.0's GPU model runner does, in CPU memory.
 
-Built in a single process without ``torch.distributed``: no model is instantiated, so nothing
-needs a process group. Everything that decides the layout is vLLM's own code:
+Everything that decides the layout is vLLM's own code:
 
+* the model class (resolved through ``ModelRegistry``) built on the meta device in this rank's TP
+  group: every layer that holds a cache answers ``get_kv_cache_spec`` itself, as
+  ``GPUModelRunner.get_kv_cache_spec`` asks it to, so layer names, kinds (full attention, sliding
+  window, Mamba2, GatedDeltaNet, ...), shapes and dtypes are vLLM's, for any architecture vLLM
+  builds; caches the connector does not move (MLA, Mamba1, short conv, ...) are refused with one
+  line naming the architecture and the layer (``UnsupportedArchitecture``);
 * ``Platform.update_block_size_for_backend`` (phase 1: the backend's preferred block size;
   phase 2: ``Platform._align_hybrid_block_size``) sets the hybrid logical block size and the
   padded Mamba page size, as every GPU worker does right after it starts
@@ -15,20 +20,16 @@ needs a process group. Everything that decides the layout is vLLM's own code:
   ``_update_hybrid_attention_mamba_layout`` for hybrids) allocate the shared int8 buffers and make
   the per-layer tensors that the runner hands to ``connector.register_kv_caches``.
 
-Substitutions (kept narrow, all local to this module; nothing global is patched):
+Substitutions (kept narrow; each undone or local to this module):
 
-1. Per-layer ``KVCacheSpec``s are built by hand, mirroring ``Attention.get_kv_cache_spec`` and
-   ``MambaBase.get_kv_cache_spec``: attention -> ``FullAttentionSpec(block_size, num_kv_heads=
-   model_config.get_num_kv_heads(parallel_config), head_size, dtype)``; Mamba2 -> ``MambaSpec``
-   with shapes/dtypes from the model class's ``get_mamba_state_shape_from_config`` /
-   ``get_mamba_state_dtype_from_config`` (class resolved through ``ModelRegistry``),
-   ``mamba_type=MambaAttentionBackendEnum.MAMBA2``. Which layer is which, and the layer names,
-   come from the hf config (``hybrid_override_pattern`` for Nemotron-H, ``layers_block_type``
-   for Bamba, all-attention for dense Llama-like models) and the model file's module prefixes.
+1. While the model's layers are built, vLLM modules holding the platform object of this GPU-less
+   host (vLLM 0.21.0's CUDA wheel reports an "unspecified" platform) see vLLM's ``CpuPlatform``
+   instead (``_CpuPlatformForModelCode``): layers ask it for a device and an attention backend.
+   Nothing is computed on it; the specs do not depend on its answers.
 2. The attention backend is FlashInfer's class (``FlashInferBackend``; fixed kernel block sizes
-   16/32/64) wherever vLLM would look one up from the model's layers: in the platform's
+   16/32/64) wherever vLLM would look one up for the KV layout: in the platform's
    ``_find_non_ssm_backend`` (via a private ``Platform`` subclass) and in the attention groups
-   handed to the runner methods. Mamba groups get ``MambaAttentionBackendEnum.MAMBA2``'s class.
+   handed to the runner methods. Mamba-type groups get their ``mamba_type``'s backend class.
 3. The runner is a small stand-in object with the attributes those methods read
    (``kv_cache_config``, ``attn_groups``, ``runner_only_attn_layers``, ``cache_config``,
    ``device="cpu"``); the methods are ``GPUModelRunner``'s own functions.
@@ -37,9 +38,12 @@ Substitutions (kept narrow, all local to this module; nothing global is patched)
 5. The KV cache layout (``get_kv_cache_layout``, lru-cached process-wide) is recomputed inside
    ``set_current_vllm_config(cfg)`` so the connector's required layout (HND for NIXL) applies,
    as in a GPU worker; the cached value is left in place for the connector worker to read.
-6. ``trust_remote_code`` is turned on when ``config.json`` has an ``auto_map``: transformers 4.57
-   has no ``nemotron_h`` config type, so a Nemotron-H test config ships a
+6. ``trust_remote_code`` is turned on when ``config.json`` has an ``auto_map``: vLLM 0.21.0 and
+   transformers 4.57 register no ``nemotron_h`` config type, so a Nemotron-H config ships a
    ``configuration_nemotron_h.py`` (as real Nemotron-H checkpoints do).
+
+Building the layers needs vLLM's TP group of the engine's TP size in the process (a rank process
+of the check has one; ``single_process_tp_group`` makes one of size 1).
 
 Head mapping (``AttentionLayerView.global_heads``) is the one rule written here rather than
 called: it restates ``QKVParallelLinear``'s KV shard rule (``vllm/model_executor/layers/
@@ -176,62 +180,16 @@ def build_vllm_config(
 @dataclass(frozen=True)
 class LayerPlan:
     layer_index: int
-    kind: str  # "attention" or "mamba"
+    kind: str  # "attention", "sliding" or "mamba"
     layer_name: str
 
 
-def layer_plan(vllm_config: VllmConfig) -> list[LayerPlan]:
-    """Layers that hold KV cache, in model order, with the names vLLM's model files give them."""
-    hf = vllm_config.model_config.hf_config
-    arch = vllm_config.model_config.architecture
-    plans: list[LayerPlan] = []
-    if arch == "NemotronHForCausalLM":
-        # nemotron_h.py: mamba mixer prefix "model.layers.{i}.mixer";
-        # attention "model.layers.{i}.mixer.attn". '-' (MLP) and 'E' (MoE) hold no cache.
-        for i, ch in enumerate(hf.hybrid_override_pattern):
-            if ch == "M":
-                plans.append(LayerPlan(i, "mamba", f"model.layers.{i}.mixer"))
-            elif ch == "*":
-                plans.append(LayerPlan(i, "attention", f"model.layers.{i}.mixer.attn"))
-    elif arch == "BambaForCausalLM":
-        # bamba.py: MambaMixer2 prefix "model.layers.{i}.mixer"; Attention "model.layers.{i}.attn".
-        for i, kind in enumerate(hf.layers_block_type):
-            if kind == "mamba":
-                plans.append(LayerPlan(i, "mamba", f"model.layers.{i}.mixer"))
-            elif kind == "attention":
-                plans.append(LayerPlan(i, "attention", f"model.layers.{i}.attn"))
-            else:
-                raise NotImplementedError(f"Bamba layer kind {kind!r}")
-    elif not vllm_config.model_config.is_hybrid and arch in (
-        "LlamaForCausalLM",
-        "Qwen2ForCausalLM",
-        "MistralForCausalLM",
-    ):
-        # llama.py: per-layer "sliding_attention" in layer_types gets config.sliding_window
-        layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
-        for i, layer_type in enumerate(layer_types):
-            kind = "sliding" if layer_type == "sliding_attention" else "attention"
-            plans.append(LayerPlan(i, kind, f"model.layers.{i}.self_attn.attn"))
-    else:
-        raise NotImplementedError(f"layer plan for {arch} is not written")
-    return plans
+#: ``MambaSpec.mamba_type`` names whose state the connector (``mamba_conv``) moves
+SUPPORTED_MAMBA_TYPES = ("MAMBA2", "GDN_ATTN")
 
 
-def _attention_spec(vllm_config: VllmConfig, sliding_window: int | None = None):
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    cc, mc, pc = vllm_config.cache_config, vllm_config.model_config, vllm_config.parallel_config
-    dtype = mc.dtype if cc.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cc.cache_dtype]
-    common = {
-        "block_size": cc.block_size,
-        "num_kv_heads": mc.get_num_kv_heads(pc),
-        "head_size": mc.get_head_size(),
-        "dtype": dtype,
-    }
-    if sliding_window is not None:
-        return SlidingWindowSpec(**common, sliding_window=sliding_window)
-    return FullAttentionSpec(**common)
+class UnsupportedArchitecture(LayoutError):
+    """The model's cache is of a kind the check (and the connector) does not move."""
 
 
 def _model_cls(vllm_config: VllmConfig):
@@ -242,40 +200,125 @@ def _model_cls(vllm_config: VllmConfig):
     return model_cls
 
 
-def _mamba_spec(vllm_config: VllmConfig):
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import MambaSpec
+class _CpuPlatformForModelCode:
+    """Substitution 1: while the model's layers are built, vLLM modules that
+    hold the (unspecified, CPU-only host) platform object see vLLM's CPU
+    platform instead, which answers ``current_device()`` and attention-backend
+    questions the way a CPU engine does; restored on exit."""
 
-    cc = vllm_config.cache_config
-    model_cls = _model_cls(vllm_config)
-    _require(cc.mamba_block_size is not None)
-    return MambaSpec(
-        shapes=tuple(tuple(s) for s in model_cls.get_mamba_state_shape_from_config(vllm_config)),
-        dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
-        block_size=cc.mamba_block_size,
-        page_size_padded=cc.mamba_page_size_padded,
-        mamba_type=MambaAttentionBackendEnum.MAMBA2,
-        mamba_cache_mode=cc.mamba_cache_mode,
-        num_speculative_blocks=(
-            vllm_config.speculative_config.num_speculative_tokens
-            if vllm_config.speculative_config
-            else 0
-        ),
+    def __enter__(self):
+        import sys
+
+        import vllm.platforms
+        from vllm.platforms.cpu import CpuPlatform
+
+        self._original = vllm.platforms.current_platform
+        substitute = CpuPlatform()
+        self._modules = [
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("vllm")
+            and getattr(module, "current_platform", None) is self._original
+        ]
+        for module in self._modules:
+            module.current_platform = substitute
+        vllm.platforms._current_platform = substitute
+        return self
+
+    def __exit__(self, *exc_info):
+        import vllm.platforms
+
+        for module in self._modules:
+            module.current_platform = self._original
+        vllm.platforms._current_platform = self._original
+        return False
+
+
+def _require_tp_group(vllm_config: VllmConfig) -> None:
+    """The model's layers read their TP size and rank from vLLM's TP group."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_world_size,
+        model_parallel_is_initialized,
     )
+
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if not model_parallel_is_initialized() or get_tensor_model_parallel_world_size() != tp_size:
+        raise LayoutError(
+            f"building a TP {tp_size} layout needs vLLM's TP group of that size "
+            "(init_distributed_environment + initialize_model_parallel) in this process"
+        )
 
 
 def build_kv_cache_specs(vllm_config: VllmConfig) -> dict[str, Any]:
-    """layer name -> KVCacheSpec, as the runner's ``get_kv_cache_spec`` would report (subst. 1)."""
-    plans = layer_plan(vllm_config)
-    kinds = {p.kind for p in plans}
-    specs = {
-        "attention": _attention_spec(vllm_config) if "attention" in kinds else None,
-        "sliding": _attention_spec(vllm_config, vllm_config.model_config.hf_config.sliding_window)
-        if "sliding" in kinds
-        else None,
-        "mamba": _mamba_spec(vllm_config) if "mamba" in kinds else None,
-    }
-    return {p.layer_name: specs[p.kind] for p in plans}
+    """layer name -> KVCacheSpec, as ``GPUModelRunner.get_kv_cache_spec`` reports them.
+
+    The model class (resolved through ``ModelRegistry``) is built on the meta
+    device (no weights, no memory) in this rank's TP group; every layer that
+    registered itself as an ``AttentionLayerBase`` answers ``get_kv_cache_spec``
+    itself: names, kinds, shapes and dtypes are vLLM's. Raises
+    ``UnsupportedArchitecture`` for a cache the connector does not move.
+    """
+    import torch
+    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    _require_tp_group(vllm_config)
+    arch = vllm_config.model_config.architecture
+    model_cls = _model_cls(vllm_config)
+    with (
+        set_current_vllm_config(vllm_config),
+        _CpuPlatformForModelCode(),
+        set_default_torch_dtype(vllm_config.model_config.dtype),
+        torch.device("meta"),
+    ):
+        model_cls(vllm_config=vllm_config, prefix="")
+    specs: dict[str, Any] = {}
+    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
+        spec = layer.get_kv_cache_spec(vllm_config)
+        if spec is None:
+            continue  # a layer without cache (e.g. encoder-only attention)
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_type.name not in SUPPORTED_MAMBA_TYPES:
+                raise UnsupportedArchitecture(
+                    f"{arch}: layer {name} keeps {spec.mamba_type.name} state; the connector "
+                    f"moves {' and '.join(SUPPORTED_MAMBA_TYPES)} state"
+                )
+        elif isinstance(spec, MLAAttentionSpec) or type(spec) not in (
+            FullAttentionSpec,
+            SlidingWindowSpec,
+        ):
+            raise UnsupportedArchitecture(
+                f"{arch}: layer {name} keeps a {type(spec).__name__} cache; the check "
+                "builds full attention, sliding window, Mamba2 and GatedDeltaNet caches"
+            )
+        specs[name] = spec
+    if not specs:
+        raise UnsupportedArchitecture(f"{arch}: no layer keeps a KV cache")
+    return specs
+
+
+def layer_plan(specs: dict[str, Any]) -> list[LayerPlan]:
+    """Layers that hold KV cache, in model order, with vLLM's names and kinds."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    plans = []
+    for name, spec in specs.items():
+        if isinstance(spec, MambaSpec):
+            kind = "mamba"
+        elif isinstance(spec, SlidingWindowSpec):
+            kind = "sliding"
+        else:
+            kind = "attention"
+        plans.append(LayerPlan(extract_layer_index(name), kind, name))
+    return sorted(plans, key=lambda plan: plan.layer_index)
 
 
 # --------------------------------------------------------------------------- layout
@@ -388,7 +431,7 @@ def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
         raise NotImplementedError("enable_cross_layers_blocks (uniform KV cache) layout")
 
     specs = build_kv_cache_specs(vllm_config)
-    plans = {p.layer_name: p for p in layer_plan(vllm_config)}
+    plans = {p.layer_name: p for p in layer_plan(specs)}
     attn_backend = _attention_backend_cls()
 
     with set_current_vllm_config(vllm_config):
@@ -605,3 +648,42 @@ def verify_layout(layout: EngineLayout, blocks: list[int] | None = None) -> dict
         raw.zero_()
     out["page_bytes"] = sorted(out["page_bytes"])
     return out
+
+
+# --------------------------------------------------------------------------- one-process TP 1
+
+
+class single_process_tp_group:  # noqa: N801 (a context manager, used like a function)
+    """vLLM's TP group of size 1 in this process (gloo on 127.0.0.1), for
+    building a TP 1 layout outside a rank process; torn down on exit."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        self.vllm_config = vllm_config
+
+    def __enter__(self):
+        import socket
+
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+        _require(self.vllm_config.parallel_config.tensor_parallel_size == 1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with set_current_vllm_config(self.vllm_config):
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=0,
+                backend="gloo",
+            )
+            initialize_model_parallel(tensor_model_parallel_size=1)
+        return self
+
+    def __exit__(self, *exc_info):
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        return False

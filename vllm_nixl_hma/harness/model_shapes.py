@@ -71,20 +71,47 @@ LAYOUTS["swa"] = {
 # granite-4.0-h-like: one SSM group, replicated on every rank when TP > 1
 # (design.md section 8). Kernel block 16; ratio 9 at TP 1, 5 at TP 2, 3 at TP 4.
 LAYOUTS["hybrid-1group"] = {**LAYOUTS["hybrid"], "mamba_n_groups": 1, "mamba_d_state": 32}
+# Qwen3-Next-shaped: full attention + GatedDeltaNet linear attention, 1 KV
+# head, q/k of 2 heads x 16 and v of 8 heads x 32 (unequal, as in real
+# models), recurrent state (8 // tp, 32, 16). Kernel block 16; ratio 5 at TP 1,
+# 3 at TP 2. vLLM's Qwen3-Next needs one MoE layer (layer 0 here).
+LAYOUTS["gdn"] = {
+    **_COMMON,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "full_attention_interval": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1, 2, 3],
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000.0,
+}
 
 
-def conv_and_ssm_ids(hf_config: Any, tp_size: int, tp_rank: int):
-    """Global ids of this rank's conv channels and SSM heads."""
-    params = mamba_conv.mamba2_params(hf_config)
-    if params is None:
-        raise ValueError(f"{type(hf_config).__name__} has no Mamba2 dimensions the check knows")
-    conv_ids = mamba_conv.conv_channel_ids(
-        params.intermediate_size,
-        params.n_groups,
-        params.d_state,
-        params.num_heads,
-        tp_size,
-        tp_rank,
-    )
-    ssm_ids = mamba_conv.ssm_head_ids(params.num_heads, tp_size, tp_rank)
+def conv_and_ssm_ids(hf_config: Any, mamba_type: str, tp_size: int, tp_rank: int):
+    """Global ids of this rank's conv channels and SSM (recurrent) state heads,
+    for layers whose ``MambaSpec.mamba_type`` is named ``mamba_type``."""
+    model = mamba_conv.state_model_of(hf_config, mamba_type)
+    if model is None:
+        raise ValueError(
+            f"{type(hf_config).__name__} has no {mamba_type} state dimensions the check knows"
+        )
+    conv_ids = mamba_conv.conv_channel_ids(model, tp_size, tp_rank)
+    ssm_ids = mamba_conv.ssm_head_ids(model.state_heads, tp_size, tp_rank)
     return np.asarray(conv_ids), np.asarray(ssm_ids)

@@ -49,7 +49,6 @@ class RankEngine:
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
         from vllm_nixl_hma.harness import layout as layout_module
-        from vllm_nixl_hma.harness.cpu_platform import substitute_for_cpu
 
         self.spec = spec
         kv_role = "kv_producer" if spec.role == "prefill" else "kv_consumer"
@@ -67,12 +66,6 @@ class RankEngine:
             import torch
 
             torch.cuda.set_device(spec.tp_rank % torch.cuda.device_count())
-        self.layout = layout_module.build_engine_layout(self.vllm_config, spec.tp_rank)
-        self.mirror = HostMirror(self.layout.kv_caches) if spec.device == "cuda" else None
-        if spec.device == "cpu":
-            from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-
-            substitute_for_cpu(FlashInferBackend)
         with set_current_vllm_config(self.vllm_config):
             init_distributed_environment(
                 world_size=spec.tp_size,
@@ -82,11 +75,33 @@ class RankEngine:
                 backend="gloo",
             )
             initialize_model_parallel(tensor_model_parallel_size=spec.tp_size)
+        try:
+            self._build(spec)
+        except BaseException:
+            # the rank process plays the next engine: leave no group behind
+            self._destroy_groups()
+            raise
+        self.scheduler = None
+
+    def _build(self, spec: EngineSpec) -> None:
+        """The layout (the model's layers, built to report their cache specs,
+        need the TP group), the connector worker, the registered caches."""
+        from vllm.config import set_current_vllm_config
+
+        from vllm_nixl_hma.harness import layout as layout_module
+        from vllm_nixl_hma.harness.cpu_platform import substitute_for_cpu
+
+        self.layout = layout_module.build_engine_layout(self.vllm_config, spec.tp_rank)
+        self.mirror = HostMirror(self.layout.kv_caches) if spec.device == "cuda" else None
+        if spec.device == "cpu":
+            from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+            substitute_for_cpu(FlashInferBackend)
+        with set_current_vllm_config(self.vllm_config):
             self.worker = self._worker_class()(
                 self.vllm_config, spec.engine_id, self.layout.kv_cache_config
             )
             self.worker.register_kv_caches(self.layout.kv_caches)
-        self.scheduler = None
 
     def _worker_class(self):
         if self.spec.connector == "NixlHMAConnector":
@@ -129,15 +144,19 @@ class RankEngine:
         self.scheduler.set_xfer_handshake_metadata(payloads)
 
     def shutdown(self) -> None:
-        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
-
         try:
             if self.scheduler is not None:
                 self.scheduler.shutdown()
             self.worker.shutdown()
         finally:
-            destroy_model_parallel()
-            destroy_distributed_environment()
+            self._destroy_groups()
+
+    @staticmethod
+    def _destroy_groups() -> None:
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
 
 
 class HostMirror:
@@ -208,11 +227,15 @@ def _views(engine: RankEngine):
         for view in engine.layout.attention
     ]
     mamba = []
-    if engine.layout.mamba:
+    groups = engine.layout.kv_cache_config.kv_cache_groups
+    for view in engine.layout.mamba:
         conv_ids, ssm_ids = conv_and_ssm_ids(
-            engine.vllm_config.model_config.hf_config, engine.spec.tp_size, engine.spec.tp_rank
+            engine.vllm_config.model_config.hf_text_config,
+            groups[view.group_index].kv_cache_spec.mamba_type.name,
+            engine.spec.tp_size,
+            engine.spec.tp_rank,
         )
-        mamba = [
+        mamba.append(
             oracle.MambaSlots(
                 layer_index=view.layer_index,
                 group_index=view.group_index,
@@ -221,8 +244,7 @@ def _views(engine: RankEngine):
                 conv_channel_ids=conv_ids,
                 ssm_head_ids=ssm_ids,
             )
-            for view in engine.layout.mamba
-        ]
+        )
     return attention, mamba
 
 

@@ -248,6 +248,8 @@ def build_live_read_path(
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    from vllm_nixl_hma.worker import NixlHMAConnectorWorker, derive_state_split
+
     # as vLLM 0.21.0 configures its agents with UCX alone
     config = nixl_agent_config(num_threads=nixl_threads)
     decode_agent = nixl_agent(f"decode-{uuid.uuid4()}", config)
@@ -284,9 +286,19 @@ def build_live_read_path(
     worker.kv_caches_base_addr[LOCAL_ENGINE][0] = [t.data_ptr() for t in local_caches]
     worker._registered_descs = []
     worker._handshake_initiation_executor = types.SimpleNamespace(shutdown=lambda wait: None)
+    # a Mamba2 mixer (one group) whose state has ``mamba_shapes`` at TP 1
+    (conv_channels, _), (ssm_heads, ssm_head_dim, _) = mamba_shapes
+    mamba_config = types.SimpleNamespace(
+        mamba_n_heads=ssm_heads,
+        mamba_d_head=ssm_head_dim,
+        mamba_n_groups=1,
+        mamba_d_state=(conv_channels - ssm_heads * ssm_head_dim) // 2,
+    )
     worker.vllm_config = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(enable_prefix_caching=False),
-        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace()),
+        model_config=types.SimpleNamespace(
+            hf_config=mamba_config, hf_text_config=mamba_config, architecture="BambaForCausalLM"
+        ),
     )
     worker.kv_transfer_config = types.SimpleNamespace(enable_permute_local_kv=False)
     ssm_sizes = (0, 0)
@@ -297,7 +309,10 @@ def build_live_read_path(
             block_size=1 << 20,
             mamba_type=MambaAttentionBackendEnum.MAMBA2,
         )
-        worker._conv_decomp = derive_mamba_conv_split(spec, 1)
+        if isinstance(worker, NixlHMAConnectorWorker):
+            worker._conv_decomp = derive_state_split(worker.vllm_config, spec, 1, 0)
+        else:
+            worker._conv_decomp = derive_mamba_conv_split(spec, 1)
         ssm_sizes = tuple(worker._conv_decomp.ssm_sizes)
         worker._mamba_ssm_size = ssm_sizes
     worker.num_descs = worker.num_regions * kernel_blocks

@@ -150,10 +150,18 @@ def render_table(results, faults=()) -> str:
     if failed or failed_faults:
         lines.append("")
         lines.append("short summary of failing scenarios:")
+        from vllm_nixl_hma.harness.coordinator import UNSUPPORTED_ARCHITECTURE
+
+        refused_layouts = set()
         for r in failed:
             reason = r.error or (
                 f"{r.mismatched_slots} mismatched slots" if r.slots_checked else "nothing checked"
             )
+            if reason.startswith(UNSUPPORTED_ARCHITECTURE):
+                if r.layout not in refused_layouts:  # one line per model
+                    refused_layouts.add(r.layout)
+                    lines.append(f"FAILED {r.layout}: {reason}")
+                continue
             lines.append(f"FAILED {r.name} P_TP={r.p_tp} D_TP={r.d_tp} {r.layout}: {reason}")
             lines.extend(f"    {example}" for example in r.examples[:3])
         for f in failed_faults:

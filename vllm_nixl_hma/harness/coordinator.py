@@ -28,6 +28,8 @@ from vllm_nixl_hma import lease
 from vllm_nixl_hma.harness.rank import rank_main
 
 COMMAND_TIMEOUT_S = 300.0
+#: how a rank's refusal of the model's cache starts (harness.layout.UnsupportedArchitecture)
+UNSUPPORTED_ARCHITECTURE = "UnsupportedArchitecture: "
 # Generous: once in several suite runs on a loaded 2-core machine, every read
 # of one cell took over 30 s (cause not established; a loopback TCP connect
 # whose SYN is dropped retries after 1, 3, 7, 15, 31 s, which would fit).
@@ -515,9 +517,24 @@ def run_cells(cells: list[Cell], progress: Callable[[str], None]) -> list[Scenar
     pool = RankPool(size)
     progress(f"{size} rank processes ready in {time.perf_counter() - started:.1f} s")
     results: list[ScenarioResult] = []
+    # a model whose cache cannot be built is refused once, not once per cell
+    refused: dict[str, str] = {}
     try:
         for cell in cells:
-            results.extend(run_cell(pool, cell, progress))
+            if cell.model_dir in refused:
+                cell_results = [
+                    ScenarioResult(s.name, cell.p_tp, cell.d_tp, cell.layout)
+                    for s in cell.scenarios
+                ]
+                for result in cell_results:
+                    result.error = refused[cell.model_dir]
+            else:
+                cell_results = run_cell(pool, cell, progress)
+                errors = {result.error or "" for result in cell_results}
+                if len(errors) == 1 and errors.pop().startswith(UNSUPPORTED_ARCHITECTURE):
+                    refused[cell.model_dir] = cell_results[0].error or ""
+                    progress(refused[cell.model_dir])
+            results.extend(cell_results)
     finally:
         pool.close()
     return results

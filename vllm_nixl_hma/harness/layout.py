@@ -249,28 +249,15 @@ def _require_tp_group(vllm_config: VllmConfig) -> None:
         )
 
 
-def build_kv_cache_specs(vllm_config: VllmConfig) -> dict[str, Any]:
-    """layer name -> KVCacheSpec, as ``GPUModelRunner.get_kv_cache_spec`` reports them.
-
-    The model class (resolved through ``ModelRegistry``) is built on the meta
-    device (no weights, no memory) in this rank's TP group; every layer that
-    registered itself as an ``AttentionLayerBase`` answers ``get_kv_cache_spec``
-    itself: names, kinds, shapes and dtypes are vLLM's. Raises
-    ``UnsupportedArchitecture`` for a cache the connector does not move.
-    """
+def build_cache_layers(vllm_config: VllmConfig) -> dict[str, Any]:
+    """layer name -> the model's layer that holds a cache, built the way the GPU runner
+    builds the model, but on the meta device (no weights, no memory) in this rank's TP group."""
     import torch
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MambaSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
 
     _require_tp_group(vllm_config)
-    arch = vllm_config.model_config.architecture
     model_cls = _model_cls(vllm_config)
     with (
         set_current_vllm_config(vllm_config),
@@ -279,8 +266,29 @@ def build_kv_cache_specs(vllm_config: VllmConfig) -> dict[str, Any]:
         torch.device("meta"),
     ):
         model_cls(vllm_config=vllm_config, prefix="")
+    return dict(get_layers_from_vllm_config(vllm_config, AttentionLayerBase))
+
+
+def build_kv_cache_specs(
+    vllm_config: VllmConfig, layers: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """layer name -> KVCacheSpec, as ``GPUModelRunner.get_kv_cache_spec`` reports them.
+
+    Every layer of ``build_cache_layers`` answers ``get_kv_cache_spec`` itself: names,
+    kinds, shapes and dtypes are vLLM's. Raises ``UnsupportedArchitecture`` for a cache
+    the connector does not move.
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    arch = vllm_config.model_config.architecture
+    layers = build_cache_layers(vllm_config) if layers is None else layers
     specs: dict[str, Any] = {}
-    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
+    for name, layer in layers.items():
         spec = layer.get_kv_cache_spec(vllm_config)
         if spec is None:
             continue  # a layer without cache (e.g. encoder-only attention)
@@ -302,6 +310,37 @@ def build_kv_cache_specs(vllm_config: VllmConfig) -> dict[str, Any]:
     if not specs:
         raise UnsupportedArchitecture(f"{arch}: no layer keeps a KV cache")
     return specs
+
+
+def loaded_row_ids(parameter: Any, global_rows: int) -> Any:
+    """Which checkpoint rows (dim 0) vLLM's own ``weight_loader`` of ``parameter``
+    puts into this rank's copy, in local order: it loads a checkpoint tensor whose
+    rows hold their own index into a CPU stand-in with ``parameter``'s shape and
+    attributes. This is how the oracle knows, independently of the connector's
+    ``mamba_conv``, which global channel or head each local state row holds."""
+    import numpy as np
+    import torch
+
+    shape = tuple(parameter.shape)
+    # the parameter's own class (vLLM's parameter classes load through methods)
+    stand_in = torch.nn.Parameter.__new__(
+        type(parameter), torch.full(shape, -1.0, dtype=torch.float64), requires_grad=False
+    )
+    stand_in.__dict__.update(vars(parameter))  # output_dim, weight_loader, tp rank, ...
+    rows = torch.arange(global_rows, dtype=torch.float64).reshape(-1, *[1] * (len(shape) - 1))
+    parameter.weight_loader(stand_in, rows.expand(global_rows, *shape[1:]).contiguous())
+    ids = stand_in.detach().reshape(shape[0], -1)[:, 0].numpy().astype(np.int64)
+    _require((ids >= 0).all(), f"vLLM's loader left rows of {tuple(shape)} unwritten")
+    return ids
+
+
+def state_row_ids(layer: Any, tp_size: int) -> tuple[Any, Any]:
+    """(conv channel ids, state head ids) of this rank's Mamba2 / GatedDeltaNet layer,
+    numbered as in the checkpoint: conv channels in ``conv1d`` order (x, B, C or q, k,
+    v), heads by ``dt_bias`` (one per SSM / recurrent state head)."""
+    conv_ids = loaded_row_ids(layer.conv1d.weight, layer.conv_dim)
+    head_ids = loaded_row_ids(layer.dt_bias, layer.dt_bias.shape[0] * tp_size)
+    return conv_ids, head_ids
 
 
 def layer_plan(specs: dict[str, Any]) -> list[LayerPlan]:
@@ -340,6 +379,9 @@ class MambaLayerView:
     layer_index: int
     conv: torch.Tensor  # [num_logical_blocks, conv_dim_local, conv_rows]  (DS)
     ssm: torch.Tensor  # [num_logical_blocks, *ssm_state_shape_local]
+    # global ids of the local conv channels and state heads, from vLLM's loaders
+    conv_channel_ids: Any = None
+    ssm_head_ids: Any = None
 
 
 @dataclass
@@ -430,7 +472,8 @@ def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
         # for a single-group model; that path is not reproduced here.
         raise NotImplementedError("enable_cross_layers_blocks (uniform KV cache) layout")
 
-    specs = build_kv_cache_specs(vllm_config)
+    layers = build_cache_layers(vllm_config)
+    specs = build_kv_cache_specs(vllm_config, layers)
     plans = {p.layer_name: p for p in layer_plan(specs)}
     attn_backend = _attention_backend_cls()
 
@@ -492,6 +535,8 @@ def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
                 )
             else:
                 conv, ssm = t
+                conv_ids, head_ids = state_row_ids(layers[name], pc.tensor_parallel_size)
+                _require(len(conv_ids) == conv.shape[1] and len(head_ids) == ssm.shape[1], name)
                 mamba.append(
                     MambaLayerView(
                         layer_name=name,
@@ -499,6 +544,8 @@ def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
                         layer_index=plan.layer_index,
                         conv=conv,
                         ssm=ssm,
+                        conv_channel_ids=conv_ids,
+                        ssm_head_ids=head_ids,
                     )
                 )
     attention.sort(key=lambda v: v.layer_index)

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from vllm_nixl_hma import mamba_conv
-
 _COMMON = {
     "vocab_size": 256,
     "max_position_embeddings": 65536,
@@ -102,16 +98,3 @@ LAYOUTS["gdn"] = {
     "partial_rotary_factor": 0.25,
     "rope_theta": 10000.0,
 }
-
-
-def conv_and_ssm_ids(hf_config: Any, mamba_type: str, tp_size: int, tp_rank: int):
-    """Global ids of this rank's conv channels and SSM (recurrent) state heads,
-    for layers whose ``MambaSpec.mamba_type`` is named ``mamba_type``."""
-    model = mamba_conv.state_model_of(hf_config, mamba_type)
-    if model is None:
-        raise ValueError(
-            f"{type(hf_config).__name__} has no {mamba_type} state dimensions the check knows"
-        )
-    conv_ids = mamba_conv.conv_channel_ids(model, tp_size, tp_rank)
-    ssm_ids = mamba_conv.ssm_head_ids(model.state_heads, tp_size, tp_rank)
-    return np.asarray(conv_ids), np.asarray(ssm_ids)

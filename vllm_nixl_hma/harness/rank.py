@@ -215,7 +215,6 @@ def _views(engine: RankEngine):
     import numpy as np
 
     from vllm_nixl_hma.harness import oracle
-    from vllm_nixl_hma.harness.model_shapes import conv_and_ssm_ids
 
     attention = [
         oracle.AttentionSlots(
@@ -226,25 +225,17 @@ def _views(engine: RankEngine):
         )
         for view in engine.layout.attention
     ]
-    mamba = []
-    groups = engine.layout.kv_cache_config.kv_cache_groups
-    for view in engine.layout.mamba:
-        conv_ids, ssm_ids = conv_and_ssm_ids(
-            engine.vllm_config.model_config.hf_text_config,
-            groups[view.group_index].kv_cache_spec.mamba_type.name,
-            engine.spec.tp_size,
-            engine.spec.tp_rank,
+    mamba = [
+        oracle.MambaSlots(
+            layer_index=view.layer_index,
+            group_index=view.group_index,
+            conv=oracle.as_int_view(_host(engine, view.conv)),
+            ssm=oracle.as_int_view(_host(engine, view.ssm)),
+            conv_channel_ids=np.asarray(view.conv_channel_ids),
+            ssm_head_ids=np.asarray(view.ssm_head_ids),
         )
-        mamba.append(
-            oracle.MambaSlots(
-                layer_index=view.layer_index,
-                group_index=view.group_index,
-                conv=oracle.as_int_view(_host(engine, view.conv)),
-                ssm=oracle.as_int_view(_host(engine, view.ssm)),
-                conv_channel_ids=conv_ids,
-                ssm_head_ids=ssm_ids,
-            )
-        )
+        for view in engine.layout.mamba
+    ]
     return attention, mamba
 
 

@@ -20,17 +20,17 @@ pytestmark = pytest.mark.slow
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
-# fixture -> (attention layer indices, Mamba-type layer indices, mamba_type)
+# fixture -> (attention layer indices, number of Mamba-type layers, mamba_type)
 EXPECTED = {
-    "llama": ([0, 1], [], None),
-    "qwen2": ([0, 1], [], None),
-    "qwen3": ([0, 1], [], None),
-    "mistral": ([0, 1], [], None),
-    "bamba": ([1, 3], [0, 2], "MAMBA2"),  # attn_layer_indices [1, 3]
-    "granitemoehybrid": ([1, 3], [0, 2], "MAMBA2"),  # layer_types
-    "nemotron_h": ([1], [0, 2], "MAMBA2"),  # hybrid_override_pattern "M*M-"
-    "falcon_h1": ([0, 1], [0, 1], "MAMBA2"),  # attention and Mamba2 side by side in every layer
-    "qwen3_next": ([1, 3], [0, 2], "GDN_ATTN"),  # layer_types linear/full alternating
+    "llama": ([0, 1], 0, None),
+    "qwen2": ([0, 1], 0, None),
+    "qwen3": ([0, 1], 0, None),
+    "mistral": ([0, 1], 0, None),
+    "bamba": ([1, 3], 2, "MAMBA2"),  # attn_layer_indices [1, 3]
+    "granitemoehybrid": ([1, 3], 2, "MAMBA2"),  # layer_types
+    "nemotron_h": ([1], 2, "MAMBA2"),  # hybrid_override_pattern "M*M-"
+    "falcon_h1": ([0, 1], 2, "MAMBA2"),  # attention and Mamba2 side by side in both layers
+    "qwen3_next": ([1, 3], 2, "GDN_ATTN"),  # layer_types linear/full alternating
 }
 
 
@@ -44,13 +44,16 @@ def _layout(model_dir: Path):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_layers_and_kinds_come_from_the_model(name):
-    attention_layers, mamba_layers, mamba_type = EXPECTED[name]
+    attention_layers, num_mamba_layers, mamba_type = EXPECTED[name]
     built = _layout(FIXTURES / "architectures" / name)
     assert [view.layer_index for view in built.attention] == attention_layers
-    assert [view.layer_index for view in built.mamba] == mamba_layers
+    assert len(built.mamba) == num_mamba_layers
     groups = built.kv_cache_config.kv_cache_groups
     for view in built.mamba:
         assert groups[view.group_index].kv_cache_spec.mamba_type.name == mamba_type
+    for view in built.mamba:  # TP 1: every channel and head, in checkpoint order
+        assert view.conv_channel_ids.tolist() == list(range(view.conv.shape[1]))
+        assert view.ssm_head_ids.tolist() == list(range(view.ssm.shape[1]))
     for view in built.attention:
         assert view.layer_name in groups[view.group_index].layer_names
     layout.verify_layout(built)  # the views alias the runner's buffers as vLLM intends

@@ -25,10 +25,12 @@ OURS_CELLS = [
     ("hybrid-1group", 1, 2),
     ("dense", 1, 2),
     ("swa", 2, 1),
+    ("gdn", 2, 1),
+    ("gdn", 1, 2),
 ]
 # Heterogeneous Mamba cells, where stock 0.21.0 must fail, and a homogeneous
 # dense cell, where it must pass (the harness is not simply hostile to it).
-STOCK_CELLS = [("hybrid", 2, 1), ("hybrid-1group", 1, 2), ("dense", 1, 2)]
+STOCK_CELLS = [("hybrid", 2, 1), ("hybrid-1group", 1, 2), ("dense", 1, 2), ("gdn", 2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def test_ours_delivers_every_slot(results, layout, p_tp, d_tp):
 
 def test_heterogeneous_cells_really_have_unequal_ratios(results):
     for layout, p_tp, d_tp in OURS_CELLS:
-        if layout.startswith("hybrid"):
+        if layout.startswith("hybrid") or layout == "gdn":
             for result in results[("NixlHMAConnector", layout, p_tp, d_tp)]:
                 assert result.local_ratio != result.remote_ratio, (layout, p_tp, d_tp)
 
@@ -80,6 +82,14 @@ def test_stock_0_21_0_corrupts_or_fails_heterogeneous_mamba_cells(results, layou
     """The oracle can fail: stock NixlConnector on the same cells."""
     for result in results[("NixlConnector", layout, p_tp, d_tp)]:
         assert result.error is not None or result.mismatched_slots > 0
+
+
+def test_stock_0_21_0_refuses_gated_delta_net_and_the_check_reports_it(results):
+    """vLLM 0.21.0 cannot move GatedDeltaNet state: its worker refuses to start.
+    Run after ours in the same rank processes, so ours left upstream's code as it was."""
+    for result in results[("NixlConnector", "gdn", 2, 1)]:
+        assert result.slots_checked == 0
+        assert "3-read conv transfer only supports Mamba2" in (result.error or "")
 
 
 def test_stock_passes_the_homogeneous_dense_cell(results):

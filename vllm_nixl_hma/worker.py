@@ -25,18 +25,34 @@ method, and every byte of data movement, is upstream's.
     own trimming is a no-op; a request whose lists cannot be aligned is
     failed before any byte is read. Remove when: as above.
 
+``__init__(vllm_config, engine_id, kv_cache_config)``
+    Why: upstream's ``derive_mamba_conv_split`` (called from its constructor)
+    describes only Mamba2's x/B/C conv parts and raises NotImplementedError
+    for every other state type, so a GatedDeltaNet hybrid (Qwen3-Next,
+    Qwen3.5) cannot start. How: while upstream's constructor runs, that name
+    in upstream's worker module answers ``derive_state_split``: a
+    ``StateSplit`` from ``mamba_conv``'s state model of the model's config,
+    checked against the shapes vLLM's layer reports; a state type
+    ``mamba_conv`` does not describe is refused with ``UnsupportedModelError``.
+    Any other worker in the process keeps upstream's function. Remove when:
+    upstream moves GatedDeltaNet state (vLLM 0.33 does).
+
 ``add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size)`` and
 ``_build_mamba_remote(nixl_agent_meta, tp_ratio, transfer_info)``
-    Why: upstream computes the prefill-side offsets of the B and C conv slices
-    as if SSM groups were sharded like x. When the model has fewer groups than
-    the larger TP (vLLM then replicates the single group on every rank), B and
-    C arrive wrong whenever prefill and decode TP differ, in both directions
-    (design.md section 8; still so in vLLM 0.33.0). How: ``add_remote_agent``
-    records which remote rank is being added; ``_build_mamba_remote`` keeps
-    upstream's descriptors and replaces the B and C entries with offsets from
-    ``mamba_conv.conv_read_plan``, derived from vLLM's own weight-loading rules.
-    x and the SSM state are upstream's. Remove when: upstream reads replicated
-    groups right.
+    Why: upstream takes the remote offsets of the conv parts from
+    ``MambaConvSplitInfo``, which cannot describe q/k/v (v differs in size
+    from k), and places B and C as if SSM groups were always sharded: when
+    the model has fewer groups than the larger TP (vLLM then replicates the
+    single group on every rank), B and C arrive wrong whenever prefill and
+    decode TP differ, in both directions (design.md section 8; still so in
+    vLLM 0.33.0). How: ``add_remote_agent`` records which remote rank is
+    being added; ``_build_mamba_remote`` builds upstream's descriptor list
+    (per layer: each conv part for every block, then the SSM state) with
+    offsets from ``mamba_conv.conv_read_plan`` and ``ssm_read_plan``, derived
+    from vLLM's own weight-loading rules, and checks the remote's conv bytes.
+    Local descriptors stay upstream's (``_build_mamba_local`` reads
+    ``StateSplit.local_conv_offsets``). Remove when: upstream reads
+    GatedDeltaNet and replicated groups right.
 
 ``register_kv_caches(kv_caches)`` and
 ``_nixl_handshake(host, port, remote_tp_size, expected_engine_id)``

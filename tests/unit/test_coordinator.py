@@ -46,3 +46,15 @@ def test_a_result_that_checked_nothing_is_not_ok():
     assert ScenarioResult("x", 1, 1, "dense", slots_checked=10).ok
     assert not ScenarioResult("x", 1, 1, "dense", slots_checked=10, mismatched_slots=1).ok
     assert not ScenarioResult("x", 1, 1, "dense", slots_checked=10, error="boom").ok
+
+
+def test_free_ports_stay_below_the_ephemeral_range_and_do_not_repeat():
+    """Ports the kernel hands out for port 0 (gloo pairs, UCX listeners) can take
+    a side-channel port between choosing and binding it; prefill then waits
+    forever for a listener that died on "Address already in use"."""
+    from vllm_nixl_hma.harness.coordinator import _ephemeral_port_range, free_port
+
+    low, _ = _ephemeral_port_range()
+    ports = [free_port(random.Random(seed)) for seed in range(50)]
+    assert all(1024 <= port < low for port in ports)
+    assert len(set(ports)) == len(ports)

@@ -12,6 +12,7 @@ spawned once and reused for every cell.
 
 from __future__ import annotations
 
+import collections
 import math
 import multiprocessing
 import os
@@ -135,10 +136,41 @@ class ScenarioResult:
         return row
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=256)
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A free port on 127.0.0.1 *below* the ephemeral range.
+
+    A port the kernel handed out (bind to port 0) is ephemeral: by the time
+    prefill's side-channel listener binds it, a gloo pair or a UCX listener of
+    an engine started in between may hold it, and vLLM's scheduler then waits
+    forever for a listener thread that died on "Address already in use"
+    (seen as a 2 -> 1 cell stalling for minutes). Ports below the ephemeral
+    range are never handed out that way.
+    """
+    rng = rng or random.SystemRandom()
+    low, _ = _ephemeral_port_range()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _RECENT_PORTS:  # handed out, maybe not bound yet
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _RECENT_PORTS.append(port)
+        return port
+    raise RuntimeError("no free port on 127.0.0.1 below the ephemeral range")
 
 
 class RankPool:

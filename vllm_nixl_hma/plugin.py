@@ -25,3 +25,10 @@ def register() -> None:
     from vllm_nixl_hma import config_hook
 
     config_hook.install()
+
+    import os
+
+    from vllm_nixl_hma.e2e import cpu_kernel_block
+
+    if os.environ.get(cpu_kernel_block.ENV):  # set only by ``vllm-nixl-hma e2e``
+        cpu_kernel_block.apply_from_env()

@@ -174,8 +174,9 @@ from vllm_nixl_hma.errors import (  # noqa: E402
 
 __all__ = ["NixlHMAConnectorWorker", "NixlHMAHandshakePayload", "group_kinds_of"]
 
-#: How long decode waits for each side-channel answer (as upstream: 5 s).
-SIDE_CHANNEL_TIMEOUT_MS = 5000
+#: How long decode waits for each side-channel answer by default (as upstream:
+#: 5 s); ``kv_connector_extra_config`` ``side_channel_timeout_s`` changes it.
+SIDE_CHANNEL_TIMEOUT_S = 5.0
 #: attribute of NixlConnectorMetadata with {request id: lease end} (connector.py)
 LEASE_DEADLINES_ATTR = "vllm_nixl_hma_lease_deadlines"
 
@@ -884,7 +885,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         path = make_zmq_path("tcp", host, port)
         agent_names: dict[int, str] = {}
         with upstream_worker_module.zmq_ctx(zmq.REQ, path) as sock:
-            sock.setsockopt(zmq.RCVTIMEO, SIDE_CHANNEL_TIMEOUT_MS)
+            sock.setsockopt(zmq.RCVTIMEO, int(self._side_channel_timeout_s * 1000))
             for remote_rank in remote_ranks:
                 started = time.perf_counter()
                 sock.send(msgspec.msgpack.encode((GET_META_MSG, remote_rank)))
@@ -893,7 +894,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                 except zmq.Again as e:
                     raise handshake.HandshakeError(
                         "side channel",
-                        "an answer within 5 s",
+                        f"an answer within {self._side_channel_timeout_s:g} s",
                         f"no answer from {path} for rank {remote_rank}",
                         "check that the prefill engine is up and "
                         "VLLM_NIXL_SIDE_CHANNEL_HOST/PORT point at it",
@@ -1073,6 +1074,17 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             for group in meta.local_block_ids
             for block_id in group
             if block_id != 0  # vLLM's null block
+        )
+
+    @functools.cached_property
+    def _side_channel_timeout_s(self) -> float:
+        """How long to wait for each side-channel answer: upstream's fixed 5 s
+        unless ``kv_connector_extra_config`` has ``side_channel_timeout_s`` (a
+        loaded prefill engine can take longer to answer its first handshake)."""
+        return float(
+            self.kv_transfer_config.get_from_extra_config(
+                "side_channel_timeout_s", SIDE_CHANNEL_TIMEOUT_S
+            )
         )
 
     # ----------------------------------------------------------- prefill lease

@@ -1,0 +1,57 @@
+"""Real vLLM engines (OpenAI servers on 127.0.0.1, vLLM's CPU build): a P/D
+request must produce the tokens one engine produces, or fail; never other tokens.
+
+Each run starts a reference engine, then a prefill and a decode engine, and
+sends prompts through the P/D router (``vllm-nixl-hma e2e``): minutes on 2 cores.
+The stock cells show that the check can fail: vLLM 0.21.0's NixlConnector cannot
+even start on the GatedDeltaNet hybrid.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
+
+pytestmark = pytest.mark.e2e
+
+
+def e2e(tmp_path, **options):
+    lines: list[str] = []
+    report = run_e2e(E2EOptions(**options), tmp_path, lines.append)
+    return report, "\n".join(lines)
+
+
+def test_ours_heterogeneous_hybrid_matches_one_engine_and_fails_closed(tmp_path):
+    """Prefill TP 2 -> decode TP 1, GatedDeltaNet + attention, unequal ratios;
+    then a handshake that cannot complete, under both failure policies (the
+    other faults: ``vllm-nixl-hma e2e --faults``)."""
+    report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=("side-channel-unreachable",))
+    assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
+    assert len(report["prompts"]) == 7
+    for prompt in report["prompts"]:
+        assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
+    assert {(f["name"], f["policy"]) for f in report["faults"]} == {
+        ("side-channel-unreachable", "fail"),
+        ("side-channel-unreachable", "recompute"),
+    }
+    for fault in report["faults"]:
+        assert fault["outcome"] != "wrong tokens", fault
+        assert fault["ok"], fault
+    assert report["ok"]
+
+
+def test_stock_cannot_serve_the_hybrid(tmp_path):
+    report, log = e2e(tmp_path, connector="NixlConnector", p_tp=2, d_tp=1)
+    assert not report["ok"]
+    # its worker refuses GatedDeltaNet state at start; were it to start, no prompt
+    # may pass as a match
+    assert report.get("error") or not all(p["match"] for p in report["prompts"]), log
+    assert not any(p["match"] and p["http_status"] == 200 for p in report["prompts"]), log
+
+
+@pytest.mark.parametrize("connector", ["NixlHMAConnector", "NixlConnector"])
+def test_dense_both_connectors_match(tmp_path, connector):
+    """The harness is not hostile to stock: a dense model at equal TP passes for both."""
+    report, log = e2e(tmp_path, model="dense", connector=connector, p_tp=1, d_tp=1)
+    assert report["ok"], log

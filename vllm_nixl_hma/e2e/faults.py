@@ -1,0 +1,92 @@
+"""Faults through real engines: what a decode engine answers when the KV it was
+promised does not arrive, under each ``kv_load_failure_policy``.
+
+Each fault takes a request prefill has just computed (its ``kv_transfer_params``)
+and breaks the transfer before decode reads:
+
+* ``prefill-killed``: the prefill engine's process group is SIGKILLed;
+* ``side-channel-unreachable``: the params name a side-channel port nobody
+  listens on, so the handshake cannot complete;
+* ``lease-expired``: the params carry a prefill lease that ended a minute ago
+  (as prefill's own would after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``), so the
+  blocks may hold another request's KV.
+
+Under ``fail`` the answer must be an error; under ``recompute`` the reference
+tokens. Never HTTP 200 with other tokens. Then the same decode engine must serve
+the next request correctly (a P/D request while prefill lives, else a plain one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm_nixl_hma import lease, proxy
+from vllm_nixl_hma.e2e.servers import HTTPResult, post_json
+
+__all__ = ["FAULTS", "POLICIES", "FaultResult", "broken_params", "decode", "prefill", "verdict"]
+
+FAULTS = ("side-channel-unreachable", "lease-expired", "prefill-killed")
+POLICIES = ("fail", "recompute")
+
+
+@dataclass
+class FaultResult:
+    name: str
+    policy: str
+    http_status: int = 0
+    outcome: str = ""  # "error", "recomputed", "wrong tokens", ...
+    next_request_ok: bool = False
+    ok: bool = False
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def broken_params(name: str, params: dict[str, Any], dead_port: int) -> dict[str, Any]:
+    """``params`` as decode will see them after fault ``name`` (prefill-killed
+    breaks the engine, not the params)."""
+    params = dict(params)
+    if name == "side-channel-unreachable":
+        params["remote_port"] = dead_port
+    elif name == "lease-expired":
+        params[lease.PARAM] = time.time() - 60.0
+    return params
+
+
+def verdict(
+    result: FaultResult, answer: HTTPResult, expected_tokens: list[int], tokens: list[int]
+) -> None:
+    """Fill ``outcome`` and ``ok`` from decode's answer to the broken request."""
+    result.http_status = answer.status
+    if answer.status == 200:
+        result.outcome = "recomputed" if tokens == expected_tokens else "wrong tokens"
+    elif answer.status == 0:
+        result.outcome = "no answer"
+        result.error = answer.error
+    else:
+        result.outcome = "error"
+        result.error = answer.error
+    wanted = "error" if result.policy == "fail" else "recomputed"
+    result.ok = result.outcome == wanted
+
+
+def prefill(prefill_url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` prefill returns for ``body``, or None."""
+    answer = post_json(prefill_url, "/v1/completions", proxy.prefill_request(body), timeout_s)
+    params = (answer.body or {}).get("kv_transfer_params") if answer.status == 200 else None
+    return params or None
+
+
+def decode(
+    decode_url: str, name: str, body: dict[str, Any], params, dead_port: int, timeout_s: float
+) -> HTTPResult:
+    """Decode's answer to ``body`` with the params fault ``name`` left it."""
+    return post_json(
+        decode_url,
+        "/v1/completions",
+        {**body, "kv_transfer_params": broken_params(name, params, dead_port)},
+        timeout_s,
+    )

@@ -1,0 +1,305 @@
+"""vLLM OpenAI servers (and the P/D router) started for ``e2e``, each in its own
+process group, logging to one file, stopped with everything they started.
+
+Every server is started with ``start_new_session=True``; ``stop`` sends SIGTERM
+to the whole group (API server, engine core, TP workers), waits, then SIGKILLs
+it. ``ServerSet`` stops all of its servers on exit from its ``with`` block,
+however the block ends (success, exception, timeout, Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineSpec", "HTTPResult", "Server", "ServerSet", "post_json"]
+
+STOP_GRACE_S = 20.0
+MAX_MODEL_LEN = 2048
+#: logical blocks per engine: room for 8 prompts of MAX_MODEL_LEN at 256-token blocks
+NUM_BLOCKS = 64
+_KERNEL_SPLIT = re.compile(
+    r"logical block size \((\d+)\) does not match physical kernel block size \((\d+)\)"
+)
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{(?:[^}]*,)?block_size="(\d+)"', re.MULTILINE)
+
+
+@dataclass
+class EngineSpec:
+    """One vLLM OpenAI server."""
+
+    name: str  # "reference", "prefill", "decode"
+    model_dir: str
+    port: int
+    tp_size: int = 1
+    connector: str | None = None  # None: no KV transfer config
+    kv_role: str = "kv_both"
+    side_channel_port: int | None = None
+    kv_load_failure_policy: str = "fail"
+    kernel_block_tokens: int | None = 16
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            "model",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            "8",
+            # a small cache: fewer NIXL descriptors to register and prepare per
+            # handshake (the default 1 GiB gives half a million per rank)
+            "--num-gpu-blocks-override",
+            str(NUM_BLOCKS),
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--tensor-parallel-size",
+            str(self.tp_size),
+        ]
+        if self.tp_size > 1:
+            args += ["--distributed-executor-backend", "mp"]
+        if self.connector is not None:
+            config = {
+                "kv_connector": self.connector,
+                "kv_role": self.kv_role,
+                "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": self.kv_load_failure_policy,
+            }
+            if self.extra_config:
+                config["kv_connector_extra_config"] = self.extra_config
+            args += ["--kv-transfer-config", json.dumps(config)]
+            if self.connector == "NixlConnector":
+                # stock needs HMA asked for by hand (ours turns it on itself)
+                args += ["--no-disable-hybrid-kv-cache-manager"]
+        return args
+
+    def environment(self) -> dict[str, str]:
+        from vllm_nixl_hma.e2e import cpu_kernel_block
+
+        env = dict(os.environ)
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "UCX_NET_DEVICES": "lo",
+                "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.pop(cpu_kernel_block.ENV, None)
+        if self.kernel_block_tokens:
+            env[cpu_kernel_block.ENV] = str(self.kernel_block_tokens)
+        if self.side_channel_port is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        # vLLM's CPU workers pin their OpenMP threads: TP ranks one core each,
+        # a TP 1 engine unpinned (three engines share this machine)
+        if self.tp_size > 1:
+            cores = os.cpu_count() or 1
+            env.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "|".join(str(rank % cores) for rank in range(self.tp_size)),
+            )
+        else:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.update(self.extra_env)
+        return env
+
+
+class Server:
+    """A process group serving HTTP on 127.0.0.1:``port``, logging to ``log_path``."""
+
+    def __init__(
+        self, name: str, port: int, command: Sequence[str], env: dict[str, str], log_path: Path
+    ):
+        self.name = name
+        self.port = port
+        self.log_path = log_path
+        log = open(log_path, "a", buffering=1)  # noqa: SIM115 (the child holds it)
+        log.write(f"===== {name}: {' '.join(command)}\n")
+        log.flush()
+        self.process = subprocess.Popen(
+            list(command),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()  # the child has its own descriptor
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self, timeout_s: float, path: str = "/health") -> None:
+        """Until ``path`` answers 200; raises TimeoutError or RuntimeError (exited)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.process.returncode} while starting"
+                )
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                connection.request("GET", path)
+                if connection.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            finally:
+                connection.close()
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} was not ready within {timeout_s:.0f} s")
+
+    def get(self, path: str, timeout_s: float = 10.0) -> tuple[int, str]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            connection.request("GET", path)
+            response = connection.getresponse()
+            return response.status, response.read().decode(errors="replace")
+        finally:
+            connection.close()
+
+    def block_tokens(self) -> tuple[int | None, int | None]:
+        """(logical, kernel) block tokens of the engine's KV cache.
+
+        The workers settle the logical block (a hybrid's is raised until an
+        attention page holds a Mamba page) and log it when it differs from the
+        kernel block; the front end's ``cache_config_info`` metric keeps the
+        block size it started with, which is right only when nothing changed it.
+        """
+        found = _KERNEL_SPLIT.findall(self.log_path.read_text(errors="replace"))
+        if found:
+            logical, kernel = found[-1]
+            return int(logical), int(kernel)
+        try:
+            status, text = self.get("/metrics")
+        except OSError:
+            return None, None
+        metric = _BLOCK_SIZE.search(text) if status == 200 else None
+        return (int(metric.group(1)),) * 2 if metric else (None, None)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (fault injection)."""
+        self._signal(signal.SIGKILL)
+        self.process.wait(timeout=STOP_GRACE_S)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        # the group may outlive its leader (TP workers): make sure it is gone
+        self._signal(signal.SIGKILL)
+        try:
+            self.process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class ServerSet:
+    """Servers started for one run, each logging to ``log_dir/NAME.log``; all
+    stopped on exit, Ctrl-C included."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.servers: list[Server] = []
+
+    def start_engine(self, spec: EngineSpec) -> Server:
+        return self.start(spec.name, spec.port, spec.command(), spec.environment())
+
+    def start(self, name: str, port: int, command: Sequence[str], env: dict[str, str]) -> Server:
+        server = Server(name, port, command, env, self.log_dir / f"{name}.log")
+        self.servers.append(server)
+        return server
+
+    def stop(self, server: Server) -> None:
+        server.stop()
+        if server in self.servers:
+            self.servers.remove(server)
+
+    def __enter__(self) -> ServerSet:
+        self._previous = {}
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._previous[signum] = signal.signal(signum, _raise_interrupt)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        for server in reversed(self.servers):
+            server.stop()
+        self.servers.clear()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        return False
+
+
+def _raise_interrupt(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt
+
+
+@dataclass
+class HTTPResult:
+    status: int
+    body: dict[str, Any] | None
+    error: str | None = None
+
+
+def post_json(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
+    """POST and parse; connection failures and timeouts come back as status 0."""
+    host_port = url.removeprefix("http://")
+    host, _, port = host_port.partition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        connection.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = response.read()
+    except (OSError, http.client.HTTPException) as e:
+        return HTTPResult(0, None, f"{type(e).__name__}: {e}")
+    finally:
+        connection.close()
+    try:
+        body = json.loads(data)
+    except json.JSONDecodeError:
+        return HTTPResult(response.status, None, data[:500].decode(errors="replace"))
+    error = None
+    if response.status != 200:
+        error = json.dumps(body.get("error", body) if isinstance(body, dict) else body)[:500]
+    return HTTPResult(response.status, body if isinstance(body, dict) else None, error)

@@ -1,0 +1,213 @@
+"""``vllm-nixl-hma proxy``: a small OpenAI-compatible P/D router.
+
+Each ``/v1/completions`` or ``/v1/chat/completions`` request goes first to a
+prefill engine with ``max_tokens=1`` and ``kv_transfer_params`` asking for a
+remote decode, then to a decode engine with the ``kv_transfer_params`` the
+prefill engine returned, exactly as vLLM's P/D proxies route it. The decode
+engine's answer is passed through as it comes, streamed or not; an error from
+either engine is passed through with its status and body. Engines are picked
+round robin. Standard library only (threads and ``http.client``), so that
+``pip install`` gives users a router with nothing else to install.
+
+At scale the same job is done by production routers: vLLM's production
+stack router, llm-d's inference scheduler and NVIDIA Dynamo route P/D
+requests with load and cache awareness; this one is for a few engines.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import threading
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["PDRouter", "prefill_request", "serve"]
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: what the prefill engine is asked to do with the request's KV
+PREFILL_KV_TRANSFER_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The request the prefill engine gets: one token, no streaming, remote decode."""
+    request = dict(body)
+    request["max_tokens"] = 1
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    request["stream"] = False
+    request.pop("stream_options", None)
+    request["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return request
+
+
+class _Engine:
+    def __init__(self, url: str):
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"engine URL must be http://HOST:PORT, got {url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.url = f"http://{self.host}:{self.port}"
+
+    def connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+
+
+class PDRouter:
+    """Routing state: engines and their round-robin order."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 600.0):
+        if not prefill or not decode:
+            raise ValueError("at least one prefill and one decode engine are needed")
+        self.prefill = [_Engine(url) for url in prefill]
+        self.decode = [_Engine(url) for url in decode]
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._next_prefill = itertools.cycle(self.prefill)
+        self._next_decode = itertools.cycle(self.decode)
+
+    def pick(self) -> tuple[_Engine, _Engine]:
+        with self._lock:
+            return next(self._next_prefill), next(self._next_decode)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    router: PDRouter
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # quiet; errors reach the client
+
+    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str) -> None:
+        self._reply(status, {"error": {"message": message, "type": "proxy_error", "code": status}})
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/health":
+            self._reply(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            _, decode = self.router.pick()
+            self._relay(decode, "GET", self.path, None)
+        else:
+            self._error(404, f"no route for GET {self.path}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path not in ROUTED_PATHS:
+            self._error(404, f"no route for POST {self.path}")
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except json.JSONDecodeError as e:
+            self._error(400, f"request body is not JSON: {e}")
+            return
+        if not isinstance(body, dict):
+            self._error(400, "request body must be a JSON object")
+            return
+        prefill, decode = self.router.pick()
+        try:
+            status, headers, data = self._call(prefill, self.path, prefill_request(body))
+        except OSError as e:
+            self._error(502, f"prefill engine {prefill.url} unreachable: {e}")
+            return
+        if status != 200:
+            self._send_whole(status, headers, data)
+            return
+        try:
+            kv_transfer_params = json.loads(data).get("kv_transfer_params")
+        except (json.JSONDecodeError, AttributeError):
+            self._error(502, f"prefill engine {prefill.url} answered no JSON object")
+            return
+        if not kv_transfer_params:
+            self._error(
+                502,
+                f"prefill engine {prefill.url} returned no kv_transfer_params: is it "
+                "started with a kv_producer or kv_both --kv-transfer-config?",
+            )
+            return
+        self._relay(decode, "POST", self.path, {**body, "kv_transfer_params": kv_transfer_params})
+
+    def _call(self, engine: _Engine, path: str, payload: dict[str, Any]):
+        connection = engine.connect(self.router.timeout_s)
+        try:
+            connection.request(
+                "POST", path, json.dumps(payload), {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            return response.status, response.getheaders(), response.read()
+        finally:
+            connection.close()
+
+    def _send_whole(self, status: int, headers, data: bytes) -> None:
+        self.send_response(status)
+        for name, value in headers:
+            if name.lower() not in HOP_BY_HOP:
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _relay(self, engine: _Engine, method: str, path: str, payload) -> None:
+        """Pass the engine's answer through chunk by chunk (streams stay streams)."""
+        connection = engine.connect(self.router.timeout_s)
+        try:
+            try:
+                connection.request(
+                    method,
+                    path,
+                    None if payload is None else json.dumps(payload),
+                    {"Content-Type": "application/json"},
+                )
+                response = connection.getresponse()
+            except OSError as e:
+                self._error(502, f"decode engine {engine.url} unreachable: {e}")
+                return
+            self.send_response(response.status)
+            for name, value in response.getheaders():
+                if name.lower() not in HOP_BY_HOP:
+                    self.send_header(name, value)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while chunk := response.read1(65536):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        finally:
+            connection.close()
+
+
+def make_server(router: PDRouter, host: str, port: int) -> ThreadingHTTPServer:
+    handler = type("PDHandler", (_Handler,), {"router": router})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve(
+    prefill: Sequence[str], decode: Sequence[str], host: str = "127.0.0.1", port: int = 8192
+) -> None:
+    """Run the router until interrupted."""
+    server = make_server(PDRouter(prefill, decode), host, port)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", choices=("cpu", "cuda"), default="cpu", help="where KV caches live"
     )
     check.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show vLLM's and NIXL's log lines live instead of writing them to a log file",
+    )
+    check.add_argument(
         "--faults",
         action="store_true",
         help="also inject faults (stock prefill, dead side channel, mismatched layout) "
@@ -260,12 +266,19 @@ def run_check(args: argparse.Namespace) -> int:
             print("no scenario matches the options", file=sys.stderr)
             return ExitCode.USAGE_ERROR
         progress = lambda line: print(f"[check] {line}", file=sys.stderr)  # noqa: E731
-        results = run_cells(cells, progress)
+        env = {}
+        if not args.verbose:
+            from vllm_nixl_hma.harness.rank import LOG_ENV
+
+            log_path = Path(tempfile.mkdtemp(prefix="vllm-nixl-hma-check-log-")) / "check.log"
+            env[LOG_ENV] = str(log_path)
+            progress(f"vLLM and NIXL log to {log_path} (-v shows them here)")
+        results = run_cells(cells, progress, env)
         faults = []
         if args.faults:
             from vllm_nixl_hma.harness.faults import FAULTS, run_faults
 
-            faults = run_faults(FAULTS, args.connector, Path(workdir), progress)
+            faults = run_faults(FAULTS, args.connector, Path(workdir), progress, env)
     print(render_table(results, faults), file=sys.stderr)
     print(f"[check] {time.perf_counter() - started:.1f} s", file=sys.stderr)
     ok = bool(results) and all(r.ok for r in results) and all(f.ok for f in faults)

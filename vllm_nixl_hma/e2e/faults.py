@@ -5,8 +5,8 @@ Each fault takes a request prefill has just computed (its ``kv_transfer_params``
 and breaks the transfer before decode reads:
 
 * ``prefill-killed``: the prefill engine's process group is SIGKILLed;
-* ``side-channel-unreachable``: the params name a side-channel port nobody
-  listens on, so the handshake cannot complete;
+* ``side-channel-unreachable``: the params name a prefill engine decode has not
+  met, at a side-channel port nobody listens on, so the handshake cannot complete;
 * ``lease-expired``: the params carry a prefill lease that ended a minute ago
   (as prefill's own would after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``), so the
   blocks may hold another request's KV.
@@ -19,6 +19,7 @@ the next request correctly (a P/D request while prefill lives, else a plain one)
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ def broken_params(name: str, params: dict[str, Any], dead_port: int) -> dict[str
     breaks the engine, not the params)."""
     params = dict(params)
     if name == "side-channel-unreachable":
+        # an engine decode has not met, whose side channel nobody serves (with
+        # the live engine's id decode would read over the agent it already has)
+        params["remote_engine_id"] = f"unreachable-{uuid.uuid4()}"
         params["remote_port"] = dead_port
     elif name == "lease-expired":
         params[lease.PARAM] = time.time() - 60.0

@@ -115,16 +115,13 @@ class EngineSpec:
             env[cpu_kernel_block.ENV] = str(self.kernel_block_tokens)
         if self.side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
-        # vLLM's CPU workers pin their OpenMP threads: TP ranks one core each,
-        # a TP 1 engine unpinned (three engines share this machine)
-        if self.tp_size > 1:
-            cores = os.cpu_count() or 1
-            env.setdefault(
-                "VLLM_CPU_OMP_THREADS_BIND",
-                "|".join(str(rank % cores) for rank in range(self.tp_size)),
-            )
-        else:
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # Several engines share this machine: no OpenMP thread pinned to a core
+        # (a TP 2 engine whose ranks were pinned to cores 0 and 1 hung in its
+        # warm-up beside two other engines), one thread per worker, and threads
+        # that sleep instead of spinning when they wait.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.update(self.extra_env)
         return env
 

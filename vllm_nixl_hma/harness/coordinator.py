@@ -543,10 +543,13 @@ def model_dir_for(config: dict[str, Any], root: Path) -> str:
     return str(directory)
 
 
-def run_cells(cells: list[Cell], progress: Callable[[str], None]) -> list[ScenarioResult]:
+def run_cells(
+    cells: list[Cell], progress: Callable[[str], None], env: dict[str, str] | None = None
+) -> list[ScenarioResult]:
+    """``env``: extra environment of the rank processes (e.g. their log file)."""
     size = max(cell.p_tp + cell.d_tp for cell in cells)
     started = time.perf_counter()
-    pool = RankPool(size)
+    pool = RankPool(size, env)
     progress(f"{size} rank processes ready in {time.perf_counter() - started:.1f} s")
     results: list[ScenarioResult] = []
     # a model whose cache cannot be built is refused once, not once per cell

@@ -154,14 +154,16 @@ def run_faults(
     connector: str,
     workdir: Path,
     progress: Callable[[str], None],
+    env: dict[str, str] | None = None,
     layout: str = "hybrid",
 ) -> list[FaultResult]:
+    """``env``: extra environment of the rank processes (e.g. their log file)."""
     model_dirs = {name: model_dir_for(LAYOUTS[name], workdir) for name in LAYOUTS}
     size = max(f.p_tp + f.d_tp for f in faults)
-    pool = RankPool(size)
+    pool = RankPool(size, env)
     # reads slow enough (UCX over TCP) to be interrupted; its own processes
     tcp_pool = (
-        RankPool(2, env={"UCX_TLS": "tcp"})
+        RankPool(2, env={**(env or {}), "UCX_TLS": "tcp"})
         if any(f.kill_prefill_mid_read for f in faults)
         else None
     )

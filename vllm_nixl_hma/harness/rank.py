@@ -20,6 +20,9 @@ from typing import Any
 
 POLL_SECONDS = 0.0005
 
+#: where a rank process writes its output (the check's log file); unset: inherited
+LOG_ENV = "VLLM_NIXL_HMA_RANK_LOG"
+
 # The pipe to the coordinator, for commands that watch for "abort" while they run.
 _CONNECTION = None
 
@@ -465,6 +468,12 @@ def rank_main(connection) -> None:
     """
     global _CONNECTION
     _CONNECTION = connection
+    log_path = os.environ.get(LOG_ENV)
+    if log_path:  # vLLM's, NIXL's and UCX's lines (Python and C) go to the log file
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -17,9 +17,12 @@ pytestmark = pytest.mark.e2e
 
 
 def e2e(tmp_path, **options):
+    """The report, and for assertion messages the progress lines and the report."""
+    import json
+
     lines: list[str] = []
     report = run_e2e(E2EOptions(**options), tmp_path, lines.append)
-    return report, "\n".join(lines)
+    return report, "\n".join(lines) + "\n" + json.dumps(report, indent=1)
 
 
 def test_ours_heterogeneous_hybrid_matches_one_engine_and_fails_closed(tmp_path):

@@ -223,10 +223,21 @@ def run_e2e(
         router_url = f"http://127.0.0.1:{router.server_address[1]}"
         try:
             # The first handshake against a TP 2 prefill engine on a loaded 2-core
-            # host has gone unanswered for 30 s (cause not established; the side
-            # channel answers a probe at once): the connector then fails that
-            # request closed. One warm-up request, reported but not judged.
-            progress("warm-up P/D request (establishes the NIXL handshake)")
+            # host has gone unanswered for 30 s (the side channel answers a probe
+            # of an idle engine at once): the connector then fails that request
+            # closed. Warm-up requests, reported but not judged.
+            # A fresh engine's first forward pass can hold the process for long
+            # enough that a side-channel answer misses upstream's fixed 5 s
+            # (stock's decode engine then dies of a KeyError): each engine serves
+            # one plain request first, as a deployment's readiness probe would.
+            progress("warm-up: a plain request to each engine, then one P/D request")
+            for server in started:
+                post_json(
+                    server.url,
+                    "/v1/completions",
+                    completion(prompt_ids(WARMUP_PROMPT_TOKENS)),
+                    options.request_timeout_s,
+                )
             warmup = _pd(router_url, WARMUP_PROMPT_TOKENS, options)
             report["warmup"] = {"http_status": warmup.status, "error": warmup.error}
             for n in lengths[0]:

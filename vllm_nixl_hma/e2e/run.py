@@ -47,7 +47,6 @@ class E2EOptions:
     kernel_block_tokens: int | None = KERNEL_BLOCK_TOKENS
     start_timeout_s: float = 900.0
     request_timeout_s: float = 300.0
-    concurrent: int = 3
     side_channel_timeout_s: float = 30.0
     #: names from ``faults.FAULTS`` to inject (prefill-killed runs last: it kills prefill)
     faults: tuple[str, ...] = ()
@@ -257,7 +256,6 @@ def run_e2e(
             report["faults"] = [
                 f.as_json()
                 for f in _faults(
-                    servers,
                     prefill,
                     {"fail": decode, "recompute": started[2]},
                     expected,
@@ -274,7 +272,7 @@ def run_e2e(
     return report
 
 
-def _faults(servers, prefill, decode_by_policy, expected, options, progress):
+def _faults(prefill, decode_by_policy, expected, options, progress):
     """Each fault under each policy on its own decode engine (``faults``)."""
     from vllm_nixl_hma.e2e import faults
     from vllm_nixl_hma.harness.coordinator import free_port

@@ -31,6 +31,7 @@ __all__ = [
     "LogicalIds",
     "align_kernel_ids_by_group",
     "check_alignable",
+    "has_local_blocks",
     "logical_to_kernel_ids",
     "logical_to_kernel_ids_by_group",
 ]
@@ -49,6 +50,13 @@ class GroupKind(enum.Enum):
     @property
     def is_attention(self) -> bool:
         return self is not GroupKind.MAMBA
+
+
+def has_local_blocks(block_ids_by_group: Sequence[LogicalIds]) -> bool:
+    """Whether a request to receive has a block in any group. vLLM sends ones
+    with none (no group, or only empty groups) just to tell prefill to free
+    its blocks: nothing is read for them and nobody waits for them."""
+    return any(len(group) > 0 for group in block_ids_by_group)
 
 
 def logical_to_kernel_ids(

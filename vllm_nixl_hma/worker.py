@@ -99,6 +99,19 @@ The prefill lease (``start_load_kv``, ``_read_blocks_for_req``, ``get_finished``
     How: such requests are taken out first and reported finished (failed)
     without the lookup. Remove when: upstream tolerates them.
 
+Requests sent only to notify prefill (``get_finished``, ``_read_blocks_for_req``)
+    Why: vLLM also hands the worker requests with no local block in any group,
+    only so that prefill is told to free its blocks: a full prefix-cache hit,
+    or a request decode's serving layer finished with an error response (it
+    then submits a pre-aborted copy with the same ``kv_transfer_params``, see
+    ``notify_kv_transfer_request_rejected``). The scheduler has already freed
+    them; reporting one as received fails its ``assert req_id in
+    self.requests`` and kills the engine core. Upstream reports one when its
+    handshake fails. How: such a request is never reported: not when its
+    handshake fails, and the lease never fails it (nothing is read, the
+    notification is still sent). Remove when: upstream drops failed
+    notify-only requests.
+
 Descriptors per run of whole pages (``add_remote_agent``, ``_read_blocks``, ``shutdown``)
     Why: upstream reads every kernel block of every layer with its own
     descriptor, two per page with a blocks-first layout (K and V), and NIXL's
@@ -976,6 +989,12 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         """
         unregistered = set()
         for request_id in tuple(self._failed_recv_reqs):
+            if not self._kv_awaited(request_id):
+                # the scheduler freed it already (see the ledger)
+                self._failed_recv_reqs.discard(request_id)
+                self._recving_metadata.pop(request_id, None)
+                self._lease_deadlines.pop(request_id, None)
+                continue
             self._report_invalid_blocks_of(request_id)
             self._lease_deadlines.pop(request_id, None)
             meta = self._recving_metadata.get(request_id)
@@ -991,6 +1010,13 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         done_sending, done_recving = super().get_finished()
         self._release_failed_engines()
         return done_sending, done_recving | unregistered
+
+    def _kv_awaited(self, request_id: str) -> bool:
+        """Whether vLLM's scheduler waits for this request's KV: not for one
+        with no local block in any group, sent only to notify prefill (see
+        the ledger)."""
+        meta = self._recving_metadata.get(request_id)
+        return meta is not None and blocks.has_local_blocks(meta.local_block_ids)
 
     def _engine_registered(self, engine_id: str) -> bool:
         if self.transfer_topo is None:
@@ -1107,9 +1133,15 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
 
     def _read_blocks_for_req(self, req_id: str, meta):
         """vLLM 0.21.0 ``NixlConnectorWorker._read_blocks_for_req``, unless the
-        lease has run out: then nothing is read and the request fails."""
+        lease has run out: then nothing is read and the request fails. A
+        request with no local block reads nothing and only notifies prefill:
+        upstream's, lease or not."""
         deadline = self._lease_deadlines.get(req_id)
-        if deadline is not None and lease.expired(deadline, time.time(), self._lease_margin_s):
+        if (
+            deadline is not None
+            and lease.expired(deadline, time.time(), self._lease_margin_s)
+            and blocks.has_local_blocks(meta.local_block_ids)
+        ):
             logger.error(
                 "NixlHMAConnector: the prefill lease of request %s ended; its blocks may "
                 "hold another request's KV, so they are not read",

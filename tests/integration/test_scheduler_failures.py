@@ -137,3 +137,160 @@ def test_stock_scheduler_cannot_take_invalid_blocks_of_a_hybrid(hybrid_config):
     scheduler = build_scheduler(*hybrid_config, "fail", scheduler_factory=Scheduler)
     with pytest.raises(ValueError, match="unpack"):
         run_until_failure_reported(scheduler)
+
+
+# ---------------------------------------------------------------------------
+# A request decode's serving layer rejected, then finished with an error: vLLM
+# submits a pre-aborted copy with the same kv_transfer_params, only so that the
+# connector tells prefill to free its blocks (serving.py
+# _with_kv_transfer_rejection_cleanup). The worker then sees a request with no
+# local block. Found through real engines: with an expired lease our worker
+# reported that copy as received, and vLLM's scheduler, which had freed it,
+# died on `assert req_id in self.requests` (the decode engine went down).
+
+
+def decode_worker(vllm_config, worker_cls, mocker):
+    """A decode worker with one registered prefill engine and a fake NIXL agent
+    (harness/read_path.py), wired to ``vllm_config`` as vLLM would wire it."""
+    import queue
+    import threading
+
+    from tests.reference import FULL, MAMBA
+    from vllm_nixl_hma.harness.read_path import build_read_path_worker
+
+    nixl_wrapper = mocker.Mock()
+    nixl_wrapper.get_new_notifs.return_value = {}
+    nixl_wrapper.check_xfer_state.return_value = "PROC"  # a read stays in flight
+    worker = build_read_path_worker(
+        worker_cls, [FULL, MAMBA], 4, 4, nixl_wrapper, logical_blocks=64
+    )
+    worker.vllm_config = vllm_config
+    worker.kv_transfer_config = vllm_config.kv_transfer_config
+    worker.use_host_buffer = False
+    worker.enable_permute_local_kv = False
+    worker.enable_heterogeneous_attn_post_process = False
+    worker._ready_requests = queue.Queue()
+    worker._handshake_lock = threading.RLock()
+    worker._reqs_to_send = {}
+    worker._reqs_to_process = set()
+    worker.consumer_notification_counts_by_req = {}
+    worker.kv_caches_base_addr = {}
+    return worker
+
+
+def remote_prefill_params(lease_deadline: float) -> dict:
+    from vllm_nixl_hma import lease
+    from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE
+
+    return {
+        **REMOTE_PREFILL_PARAMS,
+        "remote_engine_id": REMOTE_ENGINE,
+        lease.PARAM: lease_deadline,
+    }
+
+
+def request_with(request_id: str, params: dict) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(1, PROMPT_TOKENS + 1)),
+        sampling_params=SamplingParams(
+            max_tokens=4, extra_args={"kv_transfer_params": copy.deepcopy(params)}
+        ),
+        pooling_params=None,
+    )
+
+
+def one_step(scheduler, worker):
+    """schedule -> the worker's start_load_kv and get_finished -> update_from_output,
+    as an engine core step with no forward pass; returns the worker's report."""
+    output = scheduler.schedule()
+    worker.start_load_kv(output.kv_connector_metadata)
+    done_sending, done_recving = worker.get_finished()
+    invalid = worker.get_block_ids_with_load_errors()
+    scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(
+            req_ids=[],
+            req_id_to_index={},
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=done_sending or None,
+                finished_recving=done_recving or None,
+                invalid_block_ids=invalid,
+            ),
+        ),
+    )
+    return done_recving, invalid
+
+
+@pytest.mark.parametrize("worker_name", ["ours", "stock"])
+def test_a_rejected_requests_notify_only_copy_is_never_reported_received(
+    hybrid_config, worker_name, mocker
+):
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
+
+    from vllm_nixl_hma import NixlHMAConnectorWorker
+
+    scheduler = build_scheduler(*hybrid_config, "fail")
+    worker_cls = NixlHMAConnectorWorker if worker_name == "ours" else NixlConnectorWorker
+    worker = decode_worker(hybrid_config[0], worker_cls, mocker)
+    params = remote_prefill_params(lease_deadline=time.time() - 60.0)  # ended a minute ago
+
+    # 1. the request: its lease ended, so ours fails it (policy fail)
+    request = request_with("cmpl-1-0-abcd", params)
+    scheduler.add_request(request)
+    one_step(scheduler, worker)
+    # 2. the serving layer's pre-aborted copy, as EngineCore.add_request handles it
+    copy_request = request_with("1", params)
+    scheduler.add_request(copy_request)
+    scheduler.finish_requests([copy_request.request_id], RequestStatus.FINISHED_ABORTED)
+    assert copy_request.request_id not in scheduler.requests  # freed at once
+    done_recving, _ = one_step(scheduler, worker)  # the copy reaches the worker now
+
+    if worker_name == "stock":
+        # stock reads (the lease is ours), so the first request was never failed
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    else:
+        assert request.status == RequestStatus.FINISHED_ERROR
+    assert copy_request.request_id not in done_recving
+    # prefill is still told to free its blocks: upstream's notification
+    notified = [c.kwargs.get("notif_msg") for c in worker.nixl_wrapper.send_notif.call_args_list]
+    assert notified == [b"prefill-req-1:1"]
+    # and the engine goes on: the next request is scheduled normally
+    fresh = request_with("cmpl-2-0-ef01", remote_prefill_params(time.time() + 480.0))
+    scheduler.add_request(fresh)
+    one_step(scheduler, worker)
+    assert fresh.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_a_notify_only_request_whose_handshake_failed_is_dropped_not_reported(
+    hybrid_config, mocker
+):
+    """Upstream's handshake callback marks every request it waited for as
+    failed, the notify-only copy too: ours drops it; upstream reports it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
+
+    from vllm_nixl_hma import NixlHMAConnectorWorker
+    from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE
+
+    reported = {}
+    for name, worker_cls in (("ours", NixlHMAConnectorWorker), ("stock", NixlConnectorWorker)):
+        worker = decode_worker(hybrid_config[0], worker_cls, mocker)
+        worker._recving_metadata["1"] = ReqMeta(
+            local_block_ids=[],
+            local_physical_block_ids=[],
+            tp_size=1,
+            remote=RemoteMeta(
+                block_ids=[[1], [2]],
+                host="127.0.0.1",
+                port=1,
+                engine_id=REMOTE_ENGINE,
+                request_id="prefill-req-1",
+            ),
+        )
+        worker._failed_recv_reqs.add("1")  # what request_ready does when the handshake fails
+        reported[name] = worker.get_finished()[1]
+        assert "1" not in worker._recving_metadata or name == "stock"
+    assert reported == {"ours": set(), "stock": {"1"}}

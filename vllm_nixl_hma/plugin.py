@@ -28,7 +28,9 @@ def register() -> None:
 
     import os
 
-    from vllm_nixl_hma.e2e import cpu_kernel_block
+    from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core
 
     if os.environ.get(cpu_kernel_block.ENV):  # set only by ``vllm-nixl-hma e2e``
         cpu_kernel_block.apply_from_env()
+    if os.environ.get(cpu_kv_core.ENV):  # likewise
+        cpu_kv_core.apply_from_env()

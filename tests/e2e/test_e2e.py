@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_nixl_hma.e2e.faults import FAULTS, POLICIES
 from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
 
 pytestmark = pytest.mark.e2e
@@ -27,19 +28,23 @@ def e2e(tmp_path, **options):
 
 def test_ours_heterogeneous_hybrid_matches_one_engine_and_fails_closed(tmp_path):
     """Prefill TP 2 -> decode TP 1, GatedDeltaNet + attention, unequal ratios;
-    then a handshake that cannot complete, under both failure policies (the
-    other faults: ``vllm-nixl-hma e2e --faults``)."""
-    report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=("side-channel-unreachable",))
+    then every fault under both failure policies: a handshake that cannot
+    complete, a lease that ran out (once took the fail-policy decode engine
+    down), prefill killed before decode reads. After each, the same decode
+    engine must answer the next request right."""
+    report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=FAULTS)
     assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
     assert len(report["prompts"]) == 7
     for prompt in report["prompts"]:
         assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
     assert {(f["name"], f["policy"]) for f in report["faults"]} == {
-        ("side-channel-unreachable", "fail"),
-        ("side-channel-unreachable", "recompute"),
+        (name, policy) for name in FAULTS for policy in POLICIES
     }
     for fault in report["faults"]:
         assert fault["outcome"] != "wrong tokens", fault
+        expected = "error" if fault["policy"] == "fail" else "recomputed"
+        assert fault["outcome"] == expected, fault
+        assert fault["next_request_ok"], fault
         assert fault["ok"], fault
     assert report["ok"]
 

@@ -34,7 +34,6 @@ __all__ = ["E2EOptions", "PromptResult", "run_e2e"]
 MAX_TOKENS = 8
 #: the prompt every fault is injected into: several logical blocks on both sides
 FAULT_PROMPT_TOKENS = 600
-WARMUP_PROMPT_TOKENS = 20
 KERNEL_BLOCK_TOKENS = 16
 
 
@@ -47,7 +46,6 @@ class E2EOptions:
     kernel_block_tokens: int | None = KERNEL_BLOCK_TOKENS
     start_timeout_s: float = 900.0
     request_timeout_s: float = 300.0
-    side_channel_timeout_s: float = 30.0
     #: names from ``faults.FAULTS`` to inject (prefill-killed runs last: it kills prefill)
     faults: tuple[str, ...] = ()
 
@@ -133,7 +131,6 @@ def run_e2e(
         "remote_ratio": None,
         "prompts": [],
         "faults": [],
-        "warmup": None,
         "logs": str(workdir),
     }
     engine = dict(model_dir=model_dir, kernel_block_tokens=options.kernel_block_tokens)
@@ -150,9 +147,6 @@ def run_e2e(
                 tp_size=tp,
                 connector=options.connector,
                 side_channel_port=free_port(),
-                # ours: a loaded 2-core host can take more than upstream's fixed
-                # 5 s to answer the first handshake (stock ignores the key)
-                extra_config={"side_channel_timeout_s": options.side_channel_timeout_s},
                 **engine,
             )
             for role, tp in (("prefill", options.p_tp), ("decode", options.d_tp))
@@ -221,24 +215,6 @@ def run_e2e(
         thread.start()
         router_url = f"http://127.0.0.1:{router.server_address[1]}"
         try:
-            # The first handshake against a TP 2 prefill engine on a loaded 2-core
-            # host has gone unanswered for 30 s (the side channel answers a probe
-            # of an idle engine at once): the connector then fails that request
-            # closed. Warm-up requests, reported but not judged.
-            # A fresh engine's first forward pass can hold the process for long
-            # enough that a side-channel answer misses upstream's fixed 5 s
-            # (stock's decode engine then dies of a KeyError): each engine serves
-            # one plain request first, as a deployment's readiness probe would.
-            progress("warm-up: a plain request to each engine, then one P/D request")
-            for server in started:
-                post_json(
-                    server.url,
-                    "/v1/completions",
-                    completion(prompt_ids(WARMUP_PROMPT_TOKENS)),
-                    options.request_timeout_s,
-                )
-            warmup = _pd(router_url, WARMUP_PROMPT_TOKENS, options)
-            report["warmup"] = {"http_status": warmup.status, "error": warmup.error}
             for n in lengths[0]:
                 progress(f"P/D prompt of {n} tokens")
                 results.append(

@@ -97,7 +97,7 @@ class EngineSpec:
         return args
 
     def environment(self) -> dict[str, str]:
-        from vllm_nixl_hma.e2e import cpu_kernel_block
+        from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core
 
         env = dict(os.environ)
         env.update(
@@ -111,6 +111,8 @@ class EngineSpec:
             }
         )
         env.pop(cpu_kernel_block.ENV, None)
+        # no worker pinned to one shared core (see cpu_kv_core)
+        env[cpu_kv_core.ENV] = "1"
         if self.kernel_block_tokens:
             env[cpu_kernel_block.ENV] = str(self.kernel_block_tokens)
         if self.side_channel_port is not None:

@@ -294,6 +294,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 E2E_COLUMNS = (
+    ("API", 11, lambda r: r.get("api", "completions")),
     ("prompt tokens", 13, lambda r: r["prompt_tokens"]),
     ("concurrent", 10, lambda r: "yes" if r["concurrent"] else "no"),
     ("HTTP", 4, lambda r: r["http_status"]),
@@ -328,7 +329,7 @@ def render_e2e(report: dict) -> str:
     failed = [r for r in report["prompts"] if not (r["match"] and r["http_status"] == 200)]
     for r in failed:
         lines.append(
-            f"FAILED prompt of {r['prompt_tokens']} tokens: "
+            f"FAILED {r.get('api', 'completions')} prompt of {r['prompt_tokens']} tokens: "
             + (r["error"] or f"tokens differ from position {r['matching_prefix']}")
         )
     if report["faults"]:

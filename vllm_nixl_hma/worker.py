@@ -178,6 +178,7 @@ from vllm_nixl_hma import (  # noqa: E402
     lease,
     mamba_conv,
     page_runs,
+    side_channel,
 )
 from vllm_nixl_hma.errors import (  # noqa: E402
     BlockAlignmentError,
@@ -882,11 +883,12 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         or mismatched peer before registering it. What changes: the payload is
         parsed by ``handshake.parse_payload``, the record validated by
         ``handshake.validate_remote`` and the agent metadata by
-        ``handshake.check_agent_metadata``, all before ``add_remote_agent``.
+        ``handshake.check_agent_metadata``, all before ``add_remote_agent``;
+        and an unanswered query is asked again on a new socket within the
+        side-channel timeout (``side_channel``), where upstream waits once.
         Remove when: upstream validates remote layouts itself.
         """
         import msgspec
-        import zmq
         from vllm.utils.network_utils import make_zmq_path
 
         if not self.use_host_buffer:
@@ -897,33 +899,41 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         remote_ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size)
         path = make_zmq_path("tcp", host, port)
         agent_names: dict[int, str] = {}
-        with upstream_worker_module.zmq_ctx(zmq.REQ, path) as sock:
-            sock.setsockopt(zmq.RCVTIMEO, int(self._side_channel_timeout_s * 1000))
-            for remote_rank in remote_ranks:
-                started = time.perf_counter()
-                sock.send(msgspec.msgpack.encode((GET_META_MSG, remote_rank)))
-                try:
-                    payload_bytes = sock.recv()
-                except zmq.Again as e:
-                    raise handshake.HandshakeError(
-                        "side channel",
-                        f"an answer within {self._side_channel_timeout_s:g} s",
-                        f"no answer from {path} for rank {remote_rank}",
-                        "check that the prefill engine is up and "
-                        "VLLM_NIXL_SIDE_CHANNEL_HOST/PORT point at it",
-                    ) from e
-                agent_meta = self._validated_agent_metadata(
-                    payload_bytes, expected_engine_id, remote_tp_size
+        for remote_rank in remote_ranks:
+            started = time.perf_counter()
+            payload_bytes = side_channel.ask(
+                path,
+                msgspec.msgpack.encode((GET_META_MSG, remote_rank)),
+                self._side_channel_timeout_s,
+                on_retry=lambda attempt, waited_s, rank=remote_rank: logger.warning(
+                    "NixlHMAConnector: no answer from %s for rank %s within %.1f s "
+                    "(attempt %d); asking again on a new socket",
+                    path,
+                    rank,
+                    waited_s,
+                    attempt + 1,
+                ),
+            )
+            if payload_bytes is None:
+                raise handshake.HandshakeError(
+                    "side channel",
+                    f"an answer within {self._side_channel_timeout_s:g} s",
+                    f"no answer from {path} for rank {remote_rank}",
+                    "check that the prefill engine is up and "
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST/PORT point at it",
                 )
-                agent_names[remote_rank] = self.add_remote_agent(
-                    agent_meta, remote_rank, remote_tp_size
-                )
-                logger.debug(
-                    "NIXL handshake with %s rank %s took %.3f s",
-                    expected_engine_id,
-                    remote_rank,
-                    time.perf_counter() - started,
-                )
+            agent_meta = self._validated_agent_metadata(
+                payload_bytes, expected_engine_id, remote_tp_size
+            )
+            agent_names[remote_rank] = self.add_remote_agent(
+                agent_meta, remote_rank, remote_tp_size
+            )
+            logger.debug(
+                "NIXL handshake with %s rank %s took %.3f s",
+                expected_engine_id,
+                remote_rank,
+                time.perf_counter() - started,
+            )
         return agent_names
 
     def _validated_agent_metadata(

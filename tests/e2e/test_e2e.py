@@ -34,7 +34,9 @@ def test_ours_heterogeneous_hybrid_matches_one_engine_and_fails_closed(tmp_path)
     engine must answer the next request right."""
     report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=FAULTS)
     assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
-    assert len(report["prompts"]) == 7
+    assert len(report["prompts"]) == 9
+    # seven completions, then one chat prompt answered whole and streamed
+    assert [p["api"] for p in report["prompts"]][-3:] == ["completions", "chat", "chat-stream"]
     for prompt in report["prompts"]:
         assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
     assert {(f["name"], f["policy"]) for f in report["faults"]} == {

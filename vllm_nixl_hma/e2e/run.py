@@ -27,6 +27,7 @@ from vllm_nixl_hma.e2e.servers import (
     HTTPResult,
     ServerSet,
     post_json,
+    post_stream,
 )
 
 __all__ = ["E2EOptions", "PromptResult", "run_e2e"]
@@ -35,6 +36,12 @@ MAX_TOKENS = 8
 #: the prompt every fault is injected into: several logical blocks on both sides
 FAULT_PROMPT_TOKENS = 600
 KERNEL_BLOCK_TOKENS = 16
+#: the chat prompt's length in tokens (the tiny models' tokenizer has a word per token)
+CHAT_PROMPT_TOKENS = 300
+#: the embedded models ship no chat template: the messages' text, as it is
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+#: how a prompt is sent: /v1/completions, /v1/chat/completions, the same streamed
+APIS = ("completions", "chat", "chat-stream")
 
 
 @dataclass
@@ -61,6 +68,7 @@ class PromptResult:
     error: str | None = None
     concurrent: bool = False
     max_logprob_diff: float | None = None
+    api: str = "completions"  # one of APIS
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
@@ -104,10 +112,38 @@ def completion(ids: list[int]) -> dict[str, Any]:
     }
 
 
+def chat(ids: list[int], stream: bool = False) -> dict[str, Any]:
+    """A chat request whose text tokenizes to ``ids`` (one word per token)."""
+    body = {
+        "model": "model",
+        "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in ids)}],
+        "chat_template": CHAT_TEMPLATE,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
 def _tokens(result: HTTPResult) -> tuple[list[int], list[float]]:
-    choice = (result.body or {}).get("choices", [{}])[0]
-    tokens = list(choice.get("token_ids") or [])
-    logprobs = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+    """Generated token ids and their logprobs, from a completion, a chat
+    completion, or the chunks of a streamed one."""
+    body = result.body or {}
+    choices = [c["choices"][0] for c in body.get("chunks", []) if c.get("choices")]
+    if not choices:
+        choices = body.get("choices", [{}])[:1]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for choice in choices:
+        tokens += choice.get("token_ids") or []
+        given = choice.get("logprobs") or {}
+        logprobs += given.get("token_logprobs") or [
+            c["logprob"] for c in given.get("content") or []
+        ]
     return tokens, logprobs
 
 
@@ -195,7 +231,7 @@ def run_e2e(
             f"{lengths[0]}, then {lengths[1]} concurrently"
         )
         all_lengths = lengths[0] + lengths[1] + [FAULT_PROMPT_TOKENS]
-        progress(f"reference answers {len(all_lengths)} prompts")
+        progress(f"reference answers {len(all_lengths) + 1} prompts")
         expected = {
             n: post_json(
                 reference.url,
@@ -205,6 +241,12 @@ def run_e2e(
             )
             for n in all_lengths
         }
+        expected_chat = post_json(
+            reference.url,
+            "/v1/chat/completions",
+            chat(prompt_ids(CHAT_PROMPT_TOKENS)),
+            options.request_timeout_s,
+        )
         servers.stop(reference)
         router = proxy.make_server(
             proxy.PDRouter([prefill.url], [decode.url], options.request_timeout_s),
@@ -225,6 +267,18 @@ def run_e2e(
                 answers = list(pool.map(lambda n: _pd(router_url, n, options), lengths[1]))
             for n, answer in zip(lengths[1], answers, strict=True):
                 results.append(_compare(n, expected[n], answer, concurrent=True))
+            n = CHAT_PROMPT_TOKENS
+            progress(f"P/D chat prompt of {n} tokens, whole and streamed")
+            body = chat(prompt_ids(n))
+            answer = post_json(router_url, "/v1/chat/completions", body, options.request_timeout_s)
+            results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat"))
+            answer = post_stream(
+                router_url,
+                "/v1/chat/completions",
+                {**body, "stream": True},
+                options.request_timeout_s,
+            )
+            results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat-stream"))
         finally:
             router.shutdown()
             router.server_close()
@@ -293,8 +347,12 @@ def _pd(router_url: str, n: int, options: E2EOptions) -> HTTPResult:
     )
 
 
-def _compare(n: int, expected: HTTPResult, answer: HTTPResult, concurrent: bool) -> PromptResult:
-    result = PromptResult(prompt_tokens=n, http_status=answer.status, concurrent=concurrent)
+def _compare(
+    n: int, expected: HTTPResult, answer: HTTPResult, concurrent: bool, api: str = "completions"
+) -> PromptResult:
+    result = PromptResult(
+        prompt_tokens=n, http_status=answer.status, concurrent=concurrent, api=api
+    )
     if expected.status != 200:
         result.error = f"reference engine: HTTP {expected.status}: {expected.error}"
         return result

@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineSpec", "HTTPResult", "Server", "ServerSet", "post_json"]
+__all__ = [
+    "EngineSpec",
+    "HTTPResult",
+    "Server",
+    "ServerSet",
+    "post_json",
+    "post_raw",
+    "post_stream",
+]
 
 STOP_GRACE_S = 20.0
 MAX_MODEL_LEN = 2048
@@ -76,6 +84,8 @@ class EngineSpec:
             "--enforce-eager",
             "--seed",
             "0",
+            # e2e's chat prompts carry their template (the tiny models ship none)
+            "--trust-request-chat-template",
             "--tensor-parallel-size",
             str(self.tp_size),
         ]
@@ -283,22 +293,48 @@ class HTTPResult:
 
 def post_json(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
     """POST and parse; connection failures and timeouts come back as status 0."""
+    answer = post_raw(url, path, payload, timeout_s)
+    if answer.status == 0:
+        return answer
+    try:
+        body = json.loads(answer.body["text"])
+    except json.JSONDecodeError:
+        return HTTPResult(answer.status, None, answer.body["text"][:500])
+    error = None
+    if answer.status != 200:
+        error = json.dumps(body.get("error", body) if isinstance(body, dict) else body)[:500]
+    return HTTPResult(answer.status, body if isinstance(body, dict) else None, error)
+
+
+def post_stream(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
+    """POST a streaming request; the body is ``{"chunks": [...]}``, the JSON
+    objects of the server-sent events up to ``[DONE]``."""
+    answer = post_raw(url, path, payload, timeout_s)
+    if answer.status != 200 or answer.error:
+        return answer
+    chunks = []
+    for line in answer.body["text"].splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        try:
+            chunks.append(json.loads(line.removeprefix("data: ")))
+        except json.JSONDecodeError:
+            return HTTPResult(answer.status, None, f"not a JSON event: {line[:200]}")
+    return HTTPResult(answer.status, {"chunks": chunks}, None)
+
+
+def post_raw(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
+    """POST; the body is ``{"text": ...}``, undecoded (status 0 on connection failure)."""
     host_port = url.removeprefix("http://")
     host, _, port = host_port.partition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         connection.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
         response = connection.getresponse()
-        data = response.read()
+        text = response.read().decode(errors="replace")
     except (OSError, http.client.HTTPException) as e:
         return HTTPResult(0, None, f"{type(e).__name__}: {e}")
     finally:
         connection.close()
-    try:
-        body = json.loads(data)
-    except json.JSONDecodeError:
-        return HTTPResult(response.status, None, data[:500].decode(errors="replace"))
-    error = None
-    if response.status != 200:
-        error = json.dumps(body.get("error", body) if isinstance(body, dict) else body)[:500]
-    return HTTPResult(response.status, body if isinstance(body, dict) else None, error)
+    error = None if response.status == 200 else text[:500]
+    return HTTPResult(response.status, {"text": text}, error)

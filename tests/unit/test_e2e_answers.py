@@ -1,0 +1,99 @@
+"""How ``e2e`` reads answers: completions, chat completions and chat streams,
+sent through ``vllm_nixl_hma.proxy`` to stand-in engines shaped like vLLM 0.21.0's
+answers (the real engines answer in tests/e2e)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.unit.test_proxy import KV_PARAMS, Engine, route  # noqa: F401 (fixture)
+from vllm_nixl_hma.e2e import run
+from vllm_nixl_hma.e2e.servers import post_json, post_stream
+
+
+def event(payload) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+CHAT_STREAM = [
+    # vLLM's first chunk carries the role and no token
+    event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+    event(
+        {
+            "choices": [
+                {
+                    "delta": {"content": "w7 w9"},
+                    "token_ids": [7, 9],
+                    "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.25}]},
+                }
+            ]
+        }
+    ),
+    event(
+        {
+            "choices": [
+                {
+                    "delta": {"content": " w4"},
+                    "token_ids": [4],
+                    "logprobs": {"content": [{"logprob": -2.0}]},
+                    "finish_reason": "length",
+                }
+            ]
+        }
+    ),
+    event({"choices": [], "usage": {"completion_tokens": 3}}),
+    b"data: [DONE]\n\n",
+]
+
+
+def test_a_streamed_chat_answer_is_read_through_the_router_in_order(route):  # noqa: F811
+    prefill = Engine(body={"kv_transfer_params": KV_PARAMS})
+    port = route(prefill, Engine(chunks=CHAT_STREAM))
+    answer = post_stream(
+        f"http://127.0.0.1:{port}", "/v1/chat/completions", run.chat([5, 6], stream=True), 10
+    )
+    assert answer.status == 200 and answer.error is None
+    assert run._tokens(answer) == ([7, 9, 4], [-0.5, -1.25, -2.0])
+    assert prefill.received[0]["stream"] is False  # prefill answers whole
+
+
+def test_a_whole_chat_answer_and_a_completion_are_read_alike(route):  # noqa: F811
+    body = {
+        "choices": [
+            {
+                "message": {"content": "w7 w9"},
+                "token_ids": [7, 9],
+                "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.25}]},
+            }
+        ]
+    }
+    port = route(Engine(body={"kv_transfer_params": KV_PARAMS}), Engine(body=body))
+    answer = post_json(f"http://127.0.0.1:{port}", "/v1/chat/completions", run.chat([5]), 10)
+    assert run._tokens(answer) == ([7, 9], [-0.5, -1.25])
+    completion = {"choices": [{"token_ids": [3], "logprobs": {"token_logprobs": [-0.1]}}]}
+    port = route(Engine(body={"kv_transfer_params": KV_PARAMS}), Engine(body=completion))
+    answer = post_json(f"http://127.0.0.1:{port}", "/v1/completions", run.completion([5]), 10)
+    assert run._tokens(answer) == ([3], [-0.1])
+
+
+def test_an_error_stream_comes_back_as_an_error(route):  # noqa: F811
+    failing = Engine(status=500, body={"error": {"message": "boom"}})
+    port = route(Engine(body={"kv_transfer_params": KV_PARAMS}), failing)
+    answer = post_stream(
+        f"http://127.0.0.1:{port}", "/v1/chat/completions", run.chat([5], stream=True), 10
+    )
+    assert answer.status == 500 and "boom" in answer.error
+    assert run._tokens(answer) == ([], [])
+
+
+def test_the_chat_text_is_the_prompt_token_for_token():
+    """The chat prompt and its completion twin are the same tokens, through the
+    embedded models' own tokenizer and the request's chat template."""
+    import jinja2
+
+    from vllm_nixl_hma.e2e.models import _tokenizer
+
+    ids = run.prompt_ids(run.CHAT_PROMPT_TOKENS)
+    body = run.chat(ids)
+    text = jinja2.Template(body["chat_template"]).render(messages=body["messages"])
+    assert _tokenizer()(text, add_special_tokens=False)["input_ids"] == ids

@@ -1,0 +1,73 @@
+"""Asking a prefill engine's side channel for one rank's handshake payload.
+
+No vLLM, no torch: pyzmq and the standard library only.
+
+vLLM 0.21.0's decode sends one query on one ZMQ REQ socket and waits a fixed
+5 s for the answer. A query that is not answered is never sent again: a REQ
+socket cannot send twice without a reply. Through real engines on one host, a
+decode engine's first query went unanswered for the whole timeout while the
+prefill engine answered a query on a new socket at once (``e2e``, 1 run in
+about 5). ZMQ's guide answers this with its "Lazy Pirate" pattern: wait a
+short while, then close the socket and ask again on a new one, until a
+deadline. Asking twice is harmless: the listener answers every query from the
+same encoded payloads, and the answer to an abandoned socket is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["FIRST_ATTEMPT_S", "ask", "attempt_timeouts_s"]
+
+#: how long the first attempt waits; each next one waits twice as long
+FIRST_ATTEMPT_S = 0.5
+
+
+def attempt_timeouts_s(total_s: float, first_s: float = FIRST_ATTEMPT_S) -> list[float]:
+    """Waits per attempt: doubling from ``first_s``, the last one cut so that
+    they add up to ``total_s``."""
+    if not total_s > 0 or not first_s > 0:
+        raise ValueError(f"timeouts must be positive, got total {total_s}, first {first_s}")
+    waits: list[float] = []
+    left, wait = total_s, first_s
+    while left > 1e-9:
+        waits.append(min(wait, left))
+        left -= waits[-1]
+        wait *= 2
+    return waits
+
+
+def ask(
+    path: str,
+    query: bytes,
+    total_s: float,
+    on_retry: Callable[[int, float], None] | None = None,
+) -> bytes | None:
+    """The answer to ``query`` from the ZMQ REP/ROUTER at ``path``
+    (``tcp://host:port``, brackets around an IPv6 host), or None when no
+    attempt was answered within ``total_s`` seconds in all. ``on_retry(n,
+    waited_s)`` is called after attempt ``n`` went unanswered and another follows."""
+    import zmq
+
+    waits = attempt_timeouts_s(total_s)
+    context = zmq.Context()
+    try:
+        for attempt, wait_s in enumerate(waits):
+            sock = context.socket(zmq.REQ)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                if path.startswith("tcp://["):
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.setsockopt(zmq.RCVTIMEO, max(1, round(wait_s * 1000)))
+                sock.connect(path)
+                sock.send(query)
+                try:
+                    return sock.recv()
+                except zmq.Again:
+                    if on_retry is not None and attempt + 1 < len(waits):
+                        on_retry(attempt, wait_s)
+            finally:
+                sock.close(linger=0)
+        return None
+    finally:
+        context.destroy(linger=0)

@@ -1,0 +1,140 @@
+"""Process hygiene of ``e2e``'s servers: every server runs in its own process
+group, and on success, failure, a start timeout, Ctrl-C or SIGTERM the whole
+group is gone and nothing listens on its port. Stand-in engines: a leader
+serving /health on 127.0.0.1 and a child that ignores SIGTERM, as a TP worker
+can outlive its API server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+
+from vllm_nixl_hma.e2e.servers import ServerSet
+from vllm_nixl_hma.harness.coordinator import free_port
+
+ENGINE = textwrap.dedent(
+    """
+    import http.server, os, signal, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    if sys.argv[2] == "never-ready":
+        time.sleep(600)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+    """
+)
+
+
+def engine_command(port: int, mode: str = "ready") -> list[str]:
+    return [sys.executable, "-c", ENGINE, str(port), mode]
+
+
+def group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":  # pgrp, not a zombie
+            members.append(int(entry.name))
+    return members
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_until_gone(pgid: int, port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (group_members(pgid) or listening(port)):
+        time.sleep(0.1)
+    assert group_members(pgid) == [] and not listening(port)
+
+
+def start_ready(servers: ServerSet, port: int):
+    server = servers.start("engine", port, engine_command(port), dict(os.environ))
+    server.wait_ready(60)
+    deadline = time.monotonic() + 30
+    while len(group_members(server.process.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(group_members(server.process.pid)) >= 2  # leader and its child
+    return server
+
+
+@pytest.mark.parametrize("outcome", ["success", "failure"])
+def test_the_whole_group_is_stopped_when_the_run_ends(tmp_path, outcome):
+    port = free_port()
+    with pytest.raises(RuntimeError) if outcome == "failure" else nullcontext():
+        with ServerSet(tmp_path) as servers:
+            server = start_ready(servers, port)
+            pgid = server.process.pid
+            assert os.getpgid(pgid) == pgid and pgid != os.getpgid(0)  # its own group
+            if outcome == "failure":
+                raise RuntimeError("the run failed")
+    wait_until_gone(pgid, port)
+
+
+def test_a_server_that_never_gets_ready_times_out_and_is_stopped(tmp_path):
+    port = free_port()
+    with ServerSet(tmp_path) as servers:
+        server = servers.start(
+            "engine", port, engine_command(port, "never-ready"), dict(os.environ)
+        )
+        pgid = server.process.pid
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="not ready within 3 s"):
+            server.wait_ready(3)
+        assert time.monotonic() - started < 10
+    wait_until_gone(pgid, port)
+
+
+RUNNER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from vllm_nixl_hma.e2e.servers import ServerSet
+    from tests.unit.test_servers import start_ready
+    with ServerSet(Path(sys.argv[1])) as servers:
+        server = start_ready(servers, int(sys.argv[2]))
+        print(server.process.pid, flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_to_the_runner_stops_every_server(tmp_path, signum):
+    port = free_port()
+    runner = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, str(tmp_path), str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        pgid = int(runner.stdout.readline())
+        assert listening(port)
+        runner.send_signal(signum)
+        runner.wait(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    wait_until_gone(pgid, port)

@@ -89,6 +89,7 @@ def test_the_whole_group_is_stopped_when_the_run_ends(tmp_path, outcome):
             assert os.getpgid(pgid) == pgid and pgid != os.getpgid(0)  # its own group
             if outcome == "failure":
                 raise RuntimeError("the run failed")
+    assert group_members(pgid) == []  # gone when the run returns, not some time later
     wait_until_gone(pgid, port)
 
 

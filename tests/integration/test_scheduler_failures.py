@@ -55,16 +55,28 @@ def build_scheduler(vllm_config, kv_cache_config, policy: str, scheduler_factory
     )
 
 
-def remote_prefill_request() -> Request:
+def remote_prefill_request(request_id: str = "req-1", params: dict | None = None) -> Request:
     return Request(
-        request_id="req-1",
+        request_id=request_id,
         prompt_token_ids=list(range(1, PROMPT_TOKENS + 1)),
         sampling_params=SamplingParams(
             # a copy: the connector marks the params it has handled
             max_tokens=4,
-            extra_args={"kv_transfer_params": copy.deepcopy(REMOTE_PREFILL_PARAMS)},
+            extra_args={"kv_transfer_params": copy.deepcopy(params or REMOTE_PREFILL_PARAMS)},
         ),
         pooling_params=None,
+    )
+
+
+def report(scheduler, output, **kv_connector_output) -> None:
+    """What an engine core step with no forward pass hands the scheduler."""
+    scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(
+            req_ids=[],
+            req_id_to_index={},
+            kv_connector_output=KVConnectorOutput(**kv_connector_output),
+        ),
     )
 
 
@@ -91,16 +103,7 @@ def run_until_failure_reported(scheduler):
         b for group in scheduler.kv_cache_manager.get_block_ids(request.request_id) for b in group
     } - {0}
     assert block_ids
-    scheduler.update_from_output(
-        output,
-        ModelRunnerOutput(
-            req_ids=[],
-            req_id_to_index={},
-            kv_connector_output=KVConnectorOutput(
-                finished_recving={request.request_id}, invalid_block_ids=block_ids
-            ),
-        ),
-    )
+    report(scheduler, output, finished_recving={request.request_id}, invalid_block_ids=block_ids)
     return request, scheduler.schedule()
 
 
@@ -189,17 +192,6 @@ def remote_prefill_params(lease_deadline: float) -> dict:
     }
 
 
-def request_with(request_id: str, params: dict) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(range(1, PROMPT_TOKENS + 1)),
-        sampling_params=SamplingParams(
-            max_tokens=4, extra_args={"kv_transfer_params": copy.deepcopy(params)}
-        ),
-        pooling_params=None,
-    )
-
-
 def one_step(scheduler, worker):
     """schedule -> the worker's start_load_kv and get_finished -> update_from_output,
     as an engine core step with no forward pass; returns the worker's report."""
@@ -207,17 +199,12 @@ def one_step(scheduler, worker):
     worker.start_load_kv(output.kv_connector_metadata)
     done_sending, done_recving = worker.get_finished()
     invalid = worker.get_block_ids_with_load_errors()
-    scheduler.update_from_output(
+    report(
+        scheduler,
         output,
-        ModelRunnerOutput(
-            req_ids=[],
-            req_id_to_index={},
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=done_sending or None,
-                finished_recving=done_recving or None,
-                invalid_block_ids=invalid,
-            ),
-        ),
+        finished_sending=done_sending or None,
+        finished_recving=done_recving or None,
+        invalid_block_ids=invalid,
     )
     return done_recving, invalid
 
@@ -238,11 +225,11 @@ def test_a_rejected_requests_notify_only_copy_is_never_reported_received(
     params = remote_prefill_params(lease_deadline=time.time() - 60.0)  # ended a minute ago
 
     # 1. the request: its lease ended, so ours fails it (policy fail)
-    request = request_with("cmpl-1-0-abcd", params)
+    request = remote_prefill_request("cmpl-1-0-abcd", params)
     scheduler.add_request(request)
     one_step(scheduler, worker)
     # 2. the serving layer's pre-aborted copy, as EngineCore.add_request handles it
-    copy_request = request_with("1", params)
+    copy_request = remote_prefill_request("1", params)
     scheduler.add_request(copy_request)
     scheduler.finish_requests([copy_request.request_id], RequestStatus.FINISHED_ABORTED)
     assert copy_request.request_id not in scheduler.requests  # freed at once
@@ -258,7 +245,7 @@ def test_a_rejected_requests_notify_only_copy_is_never_reported_received(
     notified = [c.kwargs.get("notif_msg") for c in worker.nixl_wrapper.send_notif.call_args_list]
     assert notified == [b"prefill-req-1:1"]
     # and the engine goes on: the next request is scheduled normally
-    fresh = request_with("cmpl-2-0-ef01", remote_prefill_params(time.time() + 480.0))
+    fresh = remote_prefill_request("cmpl-2-0-ef01", remote_prefill_params(time.time() + 480.0))
     scheduler.add_request(fresh)
     one_step(scheduler, worker)
     assert fresh.status == RequestStatus.WAITING_FOR_REMOTE_KVS

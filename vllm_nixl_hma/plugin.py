@@ -26,11 +26,8 @@ def register() -> None:
 
     config_hook.install()
 
-    import os
-
     from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core
 
-    if os.environ.get(cpu_kernel_block.ENV):  # set only by ``vllm-nixl-hma e2e``
-        cpu_kernel_block.apply_from_env()
-    if os.environ.get(cpu_kv_core.ENV):  # likewise
-        cpu_kv_core.apply_from_env()
+    # each acts only when its variable is set, which only ``vllm-nixl-hma e2e`` does
+    cpu_kernel_block.apply_from_env()
+    cpu_kv_core.apply_from_env()

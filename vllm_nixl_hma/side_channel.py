@@ -3,14 +3,14 @@
 No vLLM, no torch: pyzmq and the standard library only.
 
 vLLM 0.21.0's decode sends one query on one ZMQ REQ socket and waits a fixed
-5 s for the answer. A query that is not answered is never sent again: a REQ
-socket cannot send twice without a reply. Through real engines on one host, a
-decode engine's first query went unanswered for the whole timeout while the
-prefill engine answered a query on a new socket at once (``e2e``, 1 run in
-about 5). ZMQ's guide answers this with its "Lazy Pirate" pattern: wait a
-short while, then close the socket and ask again on a new one, until a
+5 s for the answer. A query that is lost (a connection dropped or reset, a
+listener restarted) is never sent again: a REQ socket cannot send twice
+without a reply. ZMQ's guide answers this with its "Lazy Pirate" pattern:
+wait a short while, then close the socket and ask again on a new one, until a
 deadline. Asking twice is harmless: the listener answers every query from the
-same encoded payloads, and the answer to an abandoned socket is dropped.
+same encoded payloads, and the answer to an abandoned socket is dropped. (The
+first-handshake stalls seen through real engines on one host were not of this
+kind: every attempt went unanswered; README's Known limits.)
 """
 
 from __future__ import annotations

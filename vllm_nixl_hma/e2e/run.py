@@ -40,8 +40,6 @@ KERNEL_BLOCK_TOKENS = 16
 CHAT_PROMPT_TOKENS = 300
 #: the embedded models ship no chat template: the messages' text, as it is
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-#: how a prompt is sent: /v1/completions, /v1/chat/completions, the same streamed
-APIS = ("completions", "chat", "chat-stream")
 
 
 @dataclass
@@ -68,7 +66,7 @@ class PromptResult:
     error: str | None = None
     concurrent: bool = False
     max_logprob_diff: float | None = None
-    api: str = "completions"  # one of APIS
+    api: str = "completions"  # or "chat", "chat-stream": /v1/chat/completions, whole or streamed
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)

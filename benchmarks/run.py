@@ -17,16 +17,21 @@ alone in the process, twice, ours first. Pages are small
 
 Transfer: one request of a hybrid layout with realistic pages (32 KiB kernel
 pages, 9 per logical block, 8 layers, Mamba2 state 263.5 KiB per layer) read
-through our worker and through stock's, against raw NIXL moving the same
-number of bytes between two agents with one descriptor, and against
-``numpy.copyto`` of the same bytes (memcpy). Medians of repeated runs.
+through our worker and through stock's (each agent configured as its worker
+configures it: ours splits reads over NIXL's threads, ``read_threads``),
+against raw NIXL moving the same number of bytes between two agents with one
+descriptor, and against ``numpy.copyto`` of the same bytes (memcpy). Medians
+of repeated runs. ``post_ms_*`` is how long the calling thread (vLLM's step)
+spends posting the read; the rest of the read runs on NIXL's threads.
 
 Prints tables (stderr) and, with ``--json``, one JSON object on stdout:
 ``{"machine": ..., "read_path": [{"tokens", "ratio", "layout", "layers",
 "descriptors_ours", "descriptors_stock", "us_ours", "us_stock",
 "ratio_ours_over_stock", "thread_cpu_us_ours", "thread_cpu_us_stock"}],
-"transfer": [{"tokens", "bytes", "gbps_ours", "gbps_stock", "gbps_raw_nixl",
-"gbps_raw_nixl_scattered", "gbps_memcpy", "efficiency_vs_raw"}]}``;
+"transfer": [{"tokens", "bytes", "descriptors_ours", "descriptors_stock",
+"gbps_ours", "gbps_stock", "ours_over_stock", "post_ms_ours", "post_ms_stock",
+"gbps_raw_nixl", "gbps_raw_nixl_scattered", "gbps_memcpy",
+"efficiency_vs_raw"}]}``;
 ``gbps_raw_nixl_scattered`` is raw NIXL reading the same bytes in logical
 pages (288 KiB) at random places: the cost of the scatter itself. ``BENCH_NIXL_THREADS`` overrides
 ``num_threads`` of every agent.
@@ -258,6 +263,8 @@ def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
     requests = draw_requests(kinds, pool, logical_per_request, repeats + 1, seed)
     classes = worker_classes()
     samples: dict[str, list[float]] = {}
+    posts: dict[str, list[float]] = {}
+    descriptors: dict[str, int] = {}
     num_bytes = 0
     for name in WORKERS:
         live = build_live_read_path(
@@ -274,13 +281,17 @@ def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
             conv_bytes, ssm_bytes = live.worker._mamba_ssm_size
             attention_bytes = logical_per_request * TRANSFER_RATIO * TRANSFER_PAGE_BYTES
             num_bytes = TRANSFER_LAYERS * (attention_bytes + conv_bytes + ssm_bytes)
-            samples[name] = []
+            samples[name], posts[name] = [], []
+            seen = count_descriptors(live)
             for index, (local, remote) in enumerate(requests):
                 started = time.perf_counter()
                 live.read(f"r{index}", local, remote)
+                posted = time.perf_counter()
                 live.wait(f"r{index}")
                 if index:  # the first read warms UCX up
                     samples[name].append(time.perf_counter() - started)
+                    posts[name].append(posted - started)
+            descriptors[name] = seen["descriptors"]
         finally:
             live.close()
     raw = RawNixl(num_bytes)
@@ -308,11 +319,17 @@ def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
         if index:
             samples["memcpy"].append(time.perf_counter() - started)
     gbps = {name: num_bytes / statistics.median(s) / 1e9 for name, s in samples.items()}
+    post_ms = {name: statistics.median(posts[name]) * 1e3 for name in WORKERS}
     return {
         "tokens": tokens,
         "bytes": num_bytes,
+        "descriptors_ours": descriptors["ours"],
+        "descriptors_stock": descriptors["stock"],
         "gbps_ours": round(gbps["ours"], 3),
         "gbps_stock": round(gbps["stock"], 3),
+        "ours_over_stock": round(gbps["ours"] / gbps["stock"], 3),
+        "post_ms_ours": round(post_ms["ours"], 2),
+        "post_ms_stock": round(post_ms["stock"], 2),
         "gbps_raw_nixl": round(gbps["raw"], 3),
         "gbps_raw_nixl_scattered": round(gbps["raw_scattered"], 3),
         "gbps_memcpy": round(gbps["memcpy"], 3),

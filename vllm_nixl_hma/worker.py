@@ -124,6 +124,19 @@ Descriptors per run of whole pages (``add_remote_agent``, ``_read_blocks``, ``sh
     attention list is made of whole aligned runs, and upstream's lists
     otherwise. Same bytes, same notification. Remove when: upstream does so.
 
+Reads spread over NIXL's threads (``__init__``)
+    Why: NIXL's UCX backend posts a transfer of up to ``split_batch_size``
+    descriptors (default 1024) on one thread and splits only longer ones over
+    its ``num_threads`` threads; upstream's many small descriptors pass that
+    mark, our run descriptors mostly do not, so a large read moved on one
+    thread and was slower than upstream's (``read_threads`` has the numbers).
+    How: while upstream's constructor runs, ``NixlWrapper`` in upstream's
+    worker module builds the agent with UCX's ``split_batch_size`` set
+    (``read_threads.DEFAULT_SPLIT_BATCH_SIZE`` unless
+    ``kv_connector_extra_config`` sets it); an agent upstream configures
+    without UCX threads (other backends, ``num_threads`` 0) is built as
+    upstream builds it. Remove when: NIXL splits by bytes, or upstream sets it.
+
 ``_validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)``
     Why: upstream accepts a Mamba hybrid peer with another ratio while prefix
     caching is on, and the mismatch surfaces mid-request. How:
@@ -133,6 +146,7 @@ Descriptors per run of whole pages (``add_remote_agent``, ``_read_blocks``, ``sh
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from dataclasses import dataclass
@@ -178,6 +192,7 @@ from vllm_nixl_hma import (  # noqa: E402
     lease,
     mamba_conv,
     page_runs,
+    read_threads,
     side_channel,
 )
 from vllm_nixl_hma.errors import (  # noqa: E402
@@ -186,7 +201,12 @@ from vllm_nixl_hma.errors import (  # noqa: E402
     UnsupportedModelError,
 )
 
-__all__ = ["NixlHMAConnectorWorker", "NixlHMAHandshakePayload", "group_kinds_of"]
+__all__ = [
+    "NixlHMAConnectorWorker",
+    "NixlHMAHandshakePayload",
+    "build_nixl_agent",
+    "group_kinds_of",
+]
 
 #: How long decode waits for each side-channel answer by default (as upstream:
 #: 5 s); ``kv_connector_extra_config`` ``side_channel_timeout_s`` changes it.
@@ -290,6 +310,21 @@ def derive_state_split(vllm_config, mamba_spec: MambaSpec, tp_size: int, tp_rank
     )
 
 
+def build_nixl_agent(agent_cls, name: str, config, split_batch_size: int):
+    """``agent_cls(name, config)`` (NIXL's ``nixl_agent``), with UCX's
+    ``split_batch_size`` when ``config`` asks for UCX alone with threads;
+    any other agent is built exactly as asked (see ``read_threads``)."""
+    if config is None or list(config.backends) != ["UCX"] or config.num_threads < 1:
+        return agent_cls(name, config)
+    without_backends = copy.copy(config)
+    without_backends.backends = []
+    agent = agent_cls(name, without_backends)
+    agent.create_backend(
+        "UCX", read_threads.ucx_backend_params(config.num_threads, split_batch_size)
+    )
+    return agent
+
+
 def _same_lengths(local_ids_by_group, remote_ids_by_group) -> bool:
     return len(local_ids_by_group) == len(remote_ids_by_group) and all(
         len(local) == len(remote)
@@ -325,7 +360,14 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         answers ``derive_state_split`` (any other worker in the process keeps
         upstream's); ``_conv_decomp`` is then a ``StateSplit``. Remove when:
         upstream moves GatedDeltaNet state (vLLM 0.33 does).
+
+        Also: upstream's ``NixlWrapper`` is ``build_nixl_agent`` meanwhile, so
+        that a read of our run descriptors is spread over NIXL's threads (see
+        the ledger); ``kv_connector_extra_config`` ``split_batch_size`` is
+        checked here, before any agent exists.
         """
+        extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        split_batch_size = read_threads.split_batch_size_from(extra_config)
 
         def split_for_this_rank(mamba_spec, local_tp):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -335,11 +377,19 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             )
 
         upstream_split = upstream_worker_module.derive_mamba_conv_split
+        upstream_agent_cls = upstream_worker_module.NixlWrapper
+
+        def agent_spreading_reads(name, config):
+            return build_nixl_agent(upstream_agent_cls, name, config, split_batch_size)
+
         upstream_worker_module.derive_mamba_conv_split = split_for_this_rank
+        if upstream_agent_cls is not None:  # None: upstream refuses to start
+            upstream_worker_module.NixlWrapper = agent_spreading_reads
         try:
             super().__init__(vllm_config, engine_id, kv_cache_config)
         finally:
             upstream_worker_module.derive_mamba_conv_split = upstream_split
+            upstream_worker_module.NixlWrapper = upstream_agent_cls
 
     @property
     def _state_split(self) -> StateSplit:

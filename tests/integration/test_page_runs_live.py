@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnect
 
 from vllm_nixl_hma import NixlHMAConnectorWorker
 from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE, build_live_read_path
+from vllm_nixl_hma.read_threads import DEFAULT_SPLIT_BATCH_SIZE
 
 LAYERS = 3
 LOGICAL_BLOCKS = 24
@@ -52,6 +53,13 @@ CASES = {
     # a local prefix-cache hit: the local list pairs with the remote tail
     "dense r6 prefix hit": (["full_attention"], 6, [[9, 4]], [[17, 2, 11]]),
     "hybrid r4": (["full_attention", "mamba"], 4, [[3, 9, 4], [20]], [[17, 2, 11], [6]]),
+    # more run descriptors than our agent's split: NIXL reads it in chunks on several threads
+    "dense r6 in chunks": (
+        ["full_attention"],
+        6,
+        [[5, 1, 17, 3, 22, 9, 14, 12, 11, 7, 19, 2, 16]],
+        [[8, 20, 4, 13, 1, 23, 6, 10, 15, 3, 18, 12, 21]],
+    ),
 }
 
 
@@ -79,6 +87,8 @@ def test_run_descriptors_land_the_bytes_stock_lands_with_fewer_descriptors(case,
     mamba_descriptors = 4 * LAYERS * len(local_ids[1]) if len(kinds) > 1 else 0
     assert ours_descriptors == LAYERS * attention_blocks + mamba_descriptors
     assert stock_descriptors == 2 * ratio * LAYERS * attention_blocks + mamba_descriptors
+    if case.endswith("in chunks"):
+        assert ours_descriptors > DEFAULT_SPLIT_BATCH_SIZE
 
 
 def test_a_run_read_nixl_refuses_fails_the_request_before_any_byte_moves(mocker):

@@ -234,7 +234,10 @@ def build_live_read_path(
     The worker's state is what ``register_kv_caches`` would set (FlashInfer's
     blocks-first layout: K and V halves of each page are separate
     descriptors); the prefill rank is added with vLLM's ``add_remote_agent``.
-    ``nixl_threads`` is vLLM's ``num_threads`` (its default: 4).
+    ``nixl_threads`` is vLLM's ``num_threads`` (its default: 4). Each
+    worker's agent is configured as that worker's constructor configures it
+    (ours: ``worker.build_nixl_agent`` with our default split); prefill's as
+    upstream's (the reader's configuration alone decides how a READ is split).
     """
     import types
     import uuid
@@ -248,11 +251,16 @@ def build_live_read_path(
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from vllm_nixl_hma.worker import NixlHMAConnectorWorker, derive_state_split
+    from vllm_nixl_hma.read_threads import DEFAULT_SPLIT_BATCH_SIZE
+    from vllm_nixl_hma.worker import NixlHMAConnectorWorker, build_nixl_agent, derive_state_split
 
     # as vLLM 0.21.0 configures its agents with UCX alone
     config = nixl_agent_config(num_threads=nixl_threads)
-    decode_agent = nixl_agent(f"decode-{uuid.uuid4()}", config)
+    decode_name = f"decode-{uuid.uuid4()}"
+    if issubclass(worker_cls, NixlHMAConnectorWorker):
+        decode_agent = build_nixl_agent(nixl_agent, decode_name, config, DEFAULT_SPLIT_BATCH_SIZE)
+    else:
+        decode_agent = nixl_agent(decode_name, config)
     prefill_agent = nixl_agent(f"prefill-{uuid.uuid4()}", config)
     worker = build_read_path_worker(
         worker_cls,

@@ -7,10 +7,13 @@ Prefill publishes, next to vLLM's ``compatibility_hash`` and
 what decode needs to validate prefill authoritatively instead of classifying
 the remote's memory with its own local layout. Decode parses the payload in
 phases (outer map, record version, record body, agent metadata), so that a
-stock or newer peer gets a readable refusal rather than a decoder traceback,
-and checks every field against its own record before it registers the remote
-or reads a byte. Every refusal is a ``HandshakeError`` naming the field, the
-local value and the remote value.
+newer peer gets a readable refusal rather than a decoder traceback, and checks
+every field against its own record before it registers the remote or reads a
+byte. A stock peer (vLLM's fields only) is checked against the record its
+metadata implies (``record_for_stock_peer``). Every refusal is a
+``HandshakeError`` naming the field, the local value and the remote value;
+vLLM's own compatibility-hash check comes first and keeps vLLM's message
+(``CompatibilityHashMismatch``).
 
 Version history (``RECORD_VERSION``):
   1: groups (kind, kernel-per-logical ratio), kernel and logical block tokens,
@@ -32,6 +35,7 @@ __all__ = [
     "PAYLOAD_FIELD",
     "PROTOCOL",
     "RECORD_VERSION",
+    "CompatibilityHashMismatch",
     "HandshakeError",
     "HandshakeRecord",
     "MalformedHandshakeError",
@@ -39,6 +43,7 @@ __all__ = [
     "check_agent_metadata",
     "encode_record",
     "parse_payload",
+    "record_for_stock_peer",
     "validate_remote",
 ]
 
@@ -102,7 +107,8 @@ class _Envelope(msgspec.Struct, forbid_unknown_fields=False):
 class ParsedPayload(msgspec.Struct, frozen=True):
     compatibility_hash: str
     agent_metadata_bytes: bytes
-    record: HandshakeRecord
+    #: None: the peer sent vLLM's fields alone (stock ``NixlConnector``)
+    record: HandshakeRecord | None
 
 
 def encode_record(record: HandshakeRecord) -> bytes:
@@ -115,7 +121,9 @@ def _malformed(field: str, remote: object, reason: str) -> MalformedHandshakeErr
 
 
 def parse_payload(payload_bytes: bytes) -> ParsedPayload:
-    """Decode a handshake payload in phases; raise a HandshakeError on anything else."""
+    """Decode a handshake payload in phases: vLLM's fields, then our record if
+    the peer sent one (``record`` None: it did not, a stock peer); raise a
+    HandshakeError on anything else."""
     if not isinstance(payload_bytes, bytes | bytearray | memoryview):
         raise _malformed("payload", type(payload_bytes).__name__, "expected bytes")
     if len(payload_bytes) > MAX_PAYLOAD_BYTES:
@@ -133,13 +141,7 @@ def parse_payload(payload_bytes: bytes) -> ParsedPayload:
     if not isinstance(agent_metadata_bytes, bytes):
         raise _malformed("agent_metadata_bytes", agent_metadata_bytes, "expected bytes")
     if PAYLOAD_FIELD not in outer:
-        raise HandshakeError(
-            "handshake record",
-            f"{PROTOCOL} v{RECORD_VERSION}",
-            "absent",
-            "the prefill engine does not run NixlHMAConnector (stock NixlConnector or "
-            "another connector); run NixlHMAConnector on both engines",
-        )
+        return ParsedPayload(compatibility_hash, agent_metadata_bytes, None)
     record_bytes = outer[PAYLOAD_FIELD]
     if not isinstance(record_bytes, bytes):
         raise _malformed(PAYLOAD_FIELD, type(record_bytes).__name__, "expected bytes")
@@ -161,6 +163,73 @@ def parse_payload(payload_bytes: bytes) -> ParsedPayload:
         raise _malformed(PAYLOAD_FIELD, record_bytes, str(e)) from e
     _check_record_ranges(record)
     return ParsedPayload(compatibility_hash, agent_metadata_bytes, record)
+
+
+class CompatibilityHashMismatch(HandshakeError):
+    """vLLM's own check: the peers' compatibility hashes differ. The message
+    is upstream's (operators and routers know it), the fields are ours."""
+
+    def __init__(self, local_hash: str, remote_hash: str):
+        super().__init__(
+            "compatibility_hash",
+            local_hash,
+            remote_hash,
+            "prefill and decode must run the same vLLM, model and settings",
+        )
+        self.args = (
+            f"NIXL compatibility hash mismatch. Local: {local_hash}, Remote: {remote_hash}. "
+            "Prefill and decode instances have incompatible configurations. This may be due "
+            "to: different vLLM versions, models, dtypes, KV cache layouts, attention "
+            "backends, etc. Both instances must use identical configurations. Disable this "
+            "check using --kv-transfer-config "
+            '\'{"kv_connector_extra_config": {"enforce_handshake_compat": false}}\'',
+        )
+
+
+def record_for_stock_peer(
+    local: HandshakeRecord,
+    *,
+    remote_tp_size: int,
+    block_size: Any,
+    physical_blocks_per_logical: Any,
+    kv_cache_layout: Any,
+) -> HandshakeRecord:
+    """The record a peer without one (stock ``NixlConnector``) would have
+    sent, from the facts vLLM's agent metadata carries, when those facts are
+    enough to read correctly; raise a HandshakeError naming the field when
+    they are not.
+
+    vLLM's metadata says the kernel block size, the kernel-per-logical ratio
+    and the KV layout; where prefill keeps each byte follows from those, the
+    model (checked by vLLM's compatibility hash) and the TP sizes, whichever
+    connector prefill runs. It does not say whether prefill caches prefixes,
+    which decides how kernel blocks pair when the ratios differ: so unequal
+    ratios need our record. Everything else is taken as the local engine's
+    and checked as usual (``validate_remote``, ``check_agent_metadata``).
+    """
+    needs_record = (
+        "the prefill engine runs stock NixlConnector, whose handshake does not say "
+        "{what}; run NixlHMAConnector on the prefill engine too"
+    )
+    local_ratio = attention_ratio(local)
+    for field, local_value, remote_value, what in (
+        (
+            "physical_blocks_per_logical_kv_block",
+            local_ratio,
+            physical_blocks_per_logical,
+            "whether prefill caches prefixes, which decides how unequal ratios pair",
+        ),
+        (
+            "block_size (kernel block tokens)",
+            local.kernel_block_tokens,
+            block_size,
+            "enough to pair kernel blocks of different sizes",
+        ),
+        ("kv_cache_layout", local.kv_cache_layout, kv_cache_layout, "enough to convert layouts"),
+    ):
+        if local_value != remote_value:
+            raise HandshakeError(field, local_value, remote_value, needs_record.format(what=what))
+    return msgspec.structs.replace(local, plugin_version="stock", tp_size=remote_tp_size)
 
 
 def _check_int(field: str, value: int, low: int, high: int) -> None:

@@ -62,10 +62,14 @@ method, and every byte of data movement, is upstream's.
     ``handshake.HandshakeRecord`` beside vLLM's payload fields;
     ``_nixl_handshake`` (re-implemented from its contract: query each target
     rank on the side channel, check the compatibility hash and engine id,
-    register the agent) parses the payload in phases and refuses any mismatch,
-    a stock or other-version peer, or malformed metadata with a
-    ``HandshakeError`` before ``add_remote_agent``. Remove when: upstream
-    validates remote layouts itself.
+    register the agent) first checks vLLM's compatibility hash as upstream
+    does (upstream's message, upstream's ``enforce_handshake_compat`` escape
+    hatch), then parses our record and refuses any mismatch, an other-version
+    peer, or malformed metadata with a ``HandshakeError`` before
+    ``add_remote_agent``. A stock peer (no record) is served when vLLM's
+    metadata fixes every byte decode reads (``handshake.record_for_stock_peer``:
+    equal ratio, kernel block size and KV layout) and refused naming the field
+    otherwise. Remove when: upstream validates remote layouts itself.
 
 ``get_finished()`` and ``_handle_failed_transfer(req_id, handle)``, failures under HMA
     Why: with several KV cache groups upstream reports no invalid block for a
@@ -929,9 +933,11 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         payload on the side channel, refuse an incompatible one, register the
         agent, return ``{remote rank: agent name}``.
 
-        Why: upstream decodes only vLLM's fields, so it cannot refuse a stock
-        or mismatched peer before registering it. What changes: the payload is
-        parsed by ``handshake.parse_payload``, the record validated by
+        Why: upstream decodes only vLLM's fields, so it cannot refuse a
+        mismatched peer before registering it. What changes: after upstream's
+        compatibility-hash check (same message, same escape hatch), the
+        payload is parsed by ``handshake.parse_payload``, the record (a stock
+        peer's from ``handshake.record_for_stock_peer``) validated by
         ``handshake.validate_remote`` and the agent metadata by
         ``handshake.check_agent_metadata``, all before ``add_remote_agent``;
         and an unanswered query is asked again on a new socket within the
@@ -994,23 +1000,19 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         parsed = handshake.parse_payload(payload_bytes)
         if self.compat_hash is None:
             raise RuntimeError("compatibility hash is computed in register_kv_caches")
+        # upstream's check first, with upstream's message and escape hatch
         if self.enforce_compat_hash and parsed.compatibility_hash != self.compat_hash:
-            raise handshake.HandshakeError(
-                "NIXL compatibility hash (vLLM version, model, dtype, KV heads, layers, "
-                "attention backend, cache dtype, HMA)",
-                self.compat_hash,
-                parsed.compatibility_hash,
-                "both engines must run the same vLLM and the same model path and settings",
-            )
-        handshake.validate_remote(self._handshake_record, parsed.record)
-        if parsed.record.tp_size != remote_tp_size:
-            raise handshake.HandshakeError(
-                "tp_size",
-                remote_tp_size,
-                parsed.record.tp_size,
-                "the request's kv_transfer_params name another TP size than the "
-                "prefill engine reports",
-            )
+            raise handshake.CompatibilityHashMismatch(self.compat_hash, parsed.compatibility_hash)
+        if parsed.record is not None:
+            handshake.validate_remote(self._handshake_record, parsed.record)
+            if parsed.record.tp_size != remote_tp_size:
+                raise handshake.HandshakeError(
+                    "tp_size",
+                    remote_tp_size,
+                    parsed.record.tp_size,
+                    "the request's kv_transfer_params name another TP size than the "
+                    "prefill engine reports",
+                )
         try:
             agent_meta = msgspec.msgpack.decode(parsed.agent_metadata_bytes, type=NixlAgentMetadata)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -1024,8 +1026,24 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                 agent_meta.engine_id,
                 "the side channel answered for another engine",
             )
+        record = parsed.record
+        if record is None:
+            record = handshake.record_for_stock_peer(
+                self._handshake_record,
+                remote_tp_size=remote_tp_size,
+                block_size=agent_meta.block_size,
+                physical_blocks_per_logical=agent_meta.physical_blocks_per_logical_kv_block,
+                kv_cache_layout=agent_meta.kv_cache_layout,
+            )
+            handshake.validate_remote(self._handshake_record, record)
+            logger.warning(
+                "NixlHMAConnector: prefill engine %s runs stock NixlConnector; served, "
+                "since its metadata fixes every byte decode reads (no lease: its blocks "
+                "are read whenever decode gets to them)",
+                expected_engine_id,
+            )
         handshake.check_agent_metadata(
-            parsed.record,
+            record,
             num_blocks=agent_meta.num_blocks,
             block_lens=agent_meta.block_lens,
             kv_caches_base_addr=agent_meta.kv_caches_base_addr,

@@ -34,7 +34,9 @@ def outcomes(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("fault", [f.name for f in CI_FAULTS if not f.expect_delivered])
+@pytest.mark.parametrize(
+    "fault", [f.name for f in CI_FAULTS if not (f.expect_delivered or f.expect_served)]
+)
 def test_ours_refuses_every_affected_request_without_wrong_slots_or_leaks(outcomes, fault):
     result = outcomes["NixlHMAConnector"][fault]
     assert result.requests == 3
@@ -49,6 +51,18 @@ def test_a_lost_notification_costs_decode_nothing_and_prefill_frees_on_its_lease
     assert result.error is None
     assert result.requests_failed == 0 and result.silently_wrong_slots == 0
     assert result.prefill_released == 3
+    assert result.ok
+
+
+def test_a_stock_prefill_is_served_where_its_metadata_fixes_every_byte(outcomes):
+    """Equal TP, ratios, kernel blocks and layout: every slot of every request
+    arrives although prefill sends no record (at P TP 2 -> D TP 1 the ratios
+    differ and ``stock-prefill`` is refused, above)."""
+    result = outcomes["NixlHMAConnector"]["stock-prefill-served"]
+    assert result.requests == 3
+    assert result.error is None and result.requests_failed == 0
+    assert result.silently_wrong_slots == 0 and result.leaked_handles == 0
+    assert result.slots_checked > 10_000  # never "0 wrong" because nothing was checked
     assert result.ok
 
 

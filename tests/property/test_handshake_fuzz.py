@@ -78,6 +78,53 @@ def test_the_valid_payload_is_accepted(worker):
     assert judge(worker, msgspec.msgpack.encode(valid_outer())) == "accepted"
 
 
+def stock_payload(compatibility_hash: str = HASH, **agent_overrides) -> bytes:
+    """What stock NixlConnector sends: vLLM's two fields, no record."""
+    agent = {**valid_agent_fields(), **agent_overrides}
+    return msgspec.msgpack.encode(
+        {
+            "compatibility_hash": compatibility_hash,
+            "agent_metadata_bytes": msgspec.msgpack.encode(agent),
+        }
+    )
+
+
+def test_a_stock_peer_whose_metadata_is_enough_is_served(worker):
+    meta = worker._validated_agent_metadata(stock_payload(), ENGINE, 1)
+    assert meta.engine_id == ENGINE and meta.block_lens == [4096, 4096]
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"physical_blocks_per_logical_kv_block": 4, "num_blocks": 256 * 4}, "physical_blocks"),
+        ({"block_size": 32}, "block_size"),
+        ({"kv_cache_layout": "NHD"}, "kv_cache_layout"),
+        ({"block_lens": [4096]}, "block_lens"),
+    ],
+)
+def test_a_stock_peer_is_refused_where_its_metadata_is_not_enough(worker, override, field):
+    with pytest.raises(handshake.HandshakeError) as info:
+        worker._validated_agent_metadata(stock_payload(**override), ENGINE, 1)
+    assert info.value.field.startswith(field)
+
+
+@pytest.mark.parametrize("with_record", [True, False], ids=["our peer", "stock peer"])
+def test_upstreams_compatibility_check_comes_first_and_its_escape_hatch_works(worker, with_record):
+    outer = valid_outer() if with_record else msgspec.msgpack.decode(stock_payload())
+    outer["compatibility_hash"] = "another-model"
+    payload_bytes = msgspec.msgpack.encode(outer)
+    with pytest.raises(RuntimeError, match="compatibility hash mismatch") as info:
+        worker._validated_agent_metadata(payload_bytes, ENGINE, 1)
+    assert isinstance(info.value, handshake.CompatibilityHashMismatch)
+    assert f"Local: {HASH}, Remote: another-model" in str(info.value)
+    worker.enforce_compat_hash = False
+    try:
+        assert worker._validated_agent_metadata(payload_bytes, ENGINE, 1).engine_id == ENGINE
+    finally:
+        worker.enforce_compat_hash = True
+
+
 anything = st.recursive(
     st.one_of(
         st.none(),

@@ -48,10 +48,56 @@ def test_round_trip():
     assert (parsed.compatibility_hash, parsed.agent_metadata_bytes) == ("abc", b"meta")
 
 
-def test_stock_peer_without_record_is_refused_by_name():
-    with pytest.raises(HandshakeError, match="does not run NixlHMAConnector") as info:
-        handshake.parse_payload(payload(None))
-    assert info.value.remote == "absent"
+def test_a_stock_payload_parses_to_vllms_fields_and_no_record():
+    parsed = handshake.parse_payload(payload(None))
+    assert parsed.record is None
+    assert (parsed.compatibility_hash, parsed.agent_metadata_bytes) == ("abc", b"meta")
+
+
+def test_a_compatibility_hash_mismatch_says_what_upstream_says():
+    error = handshake.CompatibilityHashMismatch("local-hash", "remote-hash")
+    assert isinstance(error, HandshakeError) and isinstance(error, RuntimeError)
+    assert str(error).startswith(
+        "NIXL compatibility hash mismatch. Local: local-hash, Remote: remote-hash."
+    )
+    assert '"enforce_handshake_compat": false' in str(error)
+    assert (error.field, error.local, error.remote) == (
+        "compatibility_hash",
+        "local-hash",
+        "remote-hash",
+    )
+
+
+def stock_facts(**overrides):
+    facts = {
+        "remote_tp_size": 2,
+        "block_size": 16,
+        "physical_blocks_per_logical": RATIO,
+        "kv_cache_layout": "HND",
+    }
+    facts.update(overrides)
+    return facts
+
+
+def test_a_stock_peer_whose_metadata_fixes_every_byte_gets_the_local_record():
+    remote = handshake.record_for_stock_peer(record(), **stock_facts())
+    assert remote == record(plugin_version="stock", tp_size=2)
+    handshake.validate_remote(record(), remote)
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "local", "remote"),
+    [
+        ({"physical_blocks_per_logical": 9}, "physical_blocks_per_logical_kv_block", RATIO, 9),
+        ({"block_size": 32}, "block_size (kernel block tokens)", 16, 32),
+        ({"kv_cache_layout": "NHD"}, "kv_cache_layout", "HND", "NHD"),
+    ],
+)
+def test_a_stock_peer_is_refused_where_its_metadata_is_not_enough(override, field, local, remote):
+    with pytest.raises(HandshakeError, match="runs stock NixlConnector") as info:
+        handshake.record_for_stock_peer(record(), **stock_facts(**override))
+    assert (info.value.field, info.value.local, info.value.remote) == (field, local, remote)
+    assert f"local={local!r}, remote={remote!r}" in str(info.value)
 
 
 def test_other_protocol_version_is_refused_before_its_body_is_read():

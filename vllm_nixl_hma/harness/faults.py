@@ -39,12 +39,15 @@ class Fault:
     kill_prefill_mid_read: bool = False
     #: the fault must not cost decode anything: every request delivered intact
     expect_delivered: bool = False
+    #: not a fault for ours: every request is read, intact (prefill frees on notification)
+    expect_served: bool = False
 
 
 FAULTS = (
     Fault(
         "stock-prefill",
-        "prefill runs stock NixlConnector (no handshake record)",
+        "prefill runs stock NixlConnector (no handshake record) at P TP 2 -> D TP 1, "
+        "where the kernel-per-logical ratios differ",
         prefill_connector="NixlConnector",
     ),
     Fault(
@@ -85,6 +88,14 @@ FAULTS = (
         lose_notifications=True,
         expect_delivered=True,
     ),
+    Fault(
+        "stock-prefill-served",
+        "prefill runs stock NixlConnector at decode's TP (P TP 1 -> D TP 1: equal ratios, "
+        "kernel blocks and layout, all vLLM's metadata says); decode serves it",
+        p_tp=1,
+        prefill_connector="NixlConnector",
+        expect_served=True,
+    ),
 )
 
 
@@ -99,12 +110,16 @@ class FaultResult:
     requests: int = 0
     error: str | None = None
     expect_delivered: bool = False
+    expect_served: bool = False
     prefill_released: int = 0
+    slots_checked: int = 0
 
     @property
     def ok(self) -> bool:
         if self.requests == 0 or self.silently_wrong_slots or self.leaked_handles:
             return False
+        if self.expect_served:
+            return self.error is None and self.requests_failed == 0 and self.slots_checked > 0
         if self.expect_delivered:
             # nothing failed, and prefill freed every request's blocks itself
             return (
@@ -116,7 +131,14 @@ class FaultResult:
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
-        for internal in ("requests", "error", "expect_delivered", "prefill_released"):
+        for internal in (
+            "requests",
+            "error",
+            "expect_delivered",
+            "expect_served",
+            "prefill_released",
+            "slots_checked",
+        ):
             row.pop(internal)
         return row
 
@@ -132,7 +154,9 @@ def _judge(fault: Fault, result: ScenarioResult) -> FaultResult:
         requests=result.requests,
         error=result.error,
         expect_delivered=fault.expect_delivered,
+        expect_served=fault.expect_served,
         prefill_released=result.prefill_released_by_expiry,
+        slots_checked=result.slots_checked,
     )
 
 
@@ -185,7 +209,9 @@ def run_faults(
                 kill_prefill_before_scenario=1 if fault.kill_prefill else None,
                 expire_lease=fault.expire_lease,
                 lose_notifications=fault.lose_notifications,
-                remote_agents_must_be_gone=not (fault.expire_lease or fault.lose_notifications),
+                remote_agents_must_be_gone=not (
+                    fault.expire_lease or fault.lose_notifications or fault.expect_served
+                ),
             )
             if fault.kill_prefill_mid_read:
                 cell.num_gpu_blocks = 4096

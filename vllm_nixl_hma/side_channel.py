@@ -15,9 +15,12 @@ kind: every attempt went unanswered; README's Known limits.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
-__all__ = ["FIRST_ATTEMPT_S", "ask", "attempt_timeouts_s"]
+__all__ = ["FIRST_ATTEMPT_S", "ask", "attempt_timeouts_s", "req_socket"]
 
 #: how long the first attempt waits; each next one waits twice as long
 FIRST_ATTEMPT_S = 0.5
@@ -37,37 +40,48 @@ def attempt_timeouts_s(total_s: float, first_s: float = FIRST_ATTEMPT_S) -> list
     return waits
 
 
+@contextlib.contextmanager
+def req_socket(path: str) -> Iterator[Any]:
+    """A ZMQ REQ socket connected to ``path`` on a context of its own, closed
+    (nothing lingers) on exit."""
+    import zmq
+
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        if path.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(path)
+        yield sock
+    finally:
+        context.destroy(linger=0)
+
+
 def ask(
     path: str,
     query: bytes,
     total_s: float,
     on_retry: Callable[[int, float], None] | None = None,
+    open_socket: Callable[[str], AbstractContextManager[Any]] = req_socket,
 ) -> bytes | None:
     """The answer to ``query`` from the ZMQ REP/ROUTER at ``path``
     (``tcp://host:port``, brackets around an IPv6 host), or None when no
     attempt was answered within ``total_s`` seconds in all. ``on_retry(n,
-    waited_s)`` is called after attempt ``n`` went unanswered and another follows."""
+    waited_s)`` is called after attempt ``n`` went unanswered and another
+    follows. Each attempt gets a new socket from ``open_socket(path)``, a
+    context manager yielding a connected REQ socket (the decode worker passes
+    vLLM's own ``zmq_ctx``, so that whatever vLLM's sockets do, ours do)."""
     import zmq
 
     waits = attempt_timeouts_s(total_s)
-    context = zmq.Context()
-    try:
-        for attempt, wait_s in enumerate(waits):
-            sock = context.socket(zmq.REQ)
+    for attempt, wait_s in enumerate(waits):
+        with open_socket(path) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, max(1, round(wait_s * 1000)))
+            sock.send(query)
             try:
-                sock.setsockopt(zmq.LINGER, 0)
-                if path.startswith("tcp://["):
-                    sock.setsockopt(zmq.IPV6, 1)
-                sock.setsockopt(zmq.RCVTIMEO, max(1, round(wait_s * 1000)))
-                sock.connect(path)
-                sock.send(query)
-                try:
-                    return sock.recv()
-                except zmq.Again:
-                    if on_retry is not None and attempt + 1 < len(waits):
-                        on_retry(attempt, wait_s)
-            finally:
-                sock.close(linger=0)
-        return None
-    finally:
-        context.destroy(linger=0)
+                return sock.recv()
+            except zmq.Again:
+                if on_retry is not None and attempt + 1 < len(waits):
+                    on_retry(attempt, wait_s)
+    return None

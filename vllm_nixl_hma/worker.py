@@ -941,10 +941,12 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         ``handshake.validate_remote`` and the agent metadata by
         ``handshake.check_agent_metadata``, all before ``add_remote_agent``;
         and an unanswered query is asked again on a new socket within the
-        side-channel timeout (``side_channel``), where upstream waits once.
+        side-channel timeout (``side_channel``), where upstream waits once;
+        every socket comes from upstream's ``zmq_ctx`` as upstream's does.
         Remove when: upstream validates remote layouts itself.
         """
         import msgspec
+        import zmq
         from vllm.utils.network_utils import make_zmq_path
 
         if not self.use_host_buffer:
@@ -969,6 +971,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                     waited_s,
                     attempt + 1,
                 ),
+                # upstream's own socket helper, looked up at call time as upstream does
+                open_socket=lambda p: upstream_worker_module.zmq_ctx(zmq.REQ, p),
             )
             if payload_bytes is None:
                 raise handshake.HandshakeError(

@@ -60,8 +60,33 @@ def test_stock_cannot_serve_the_hybrid(tmp_path):
     assert not any(p["match"] and p["http_status"] == 200 for p in report["prompts"]), log
 
 
+def stock_first_handshake_went_unanswered(workdir) -> bool:
+    """Stock's decode asks prefill's side channel once and waits a fixed 5 s;
+    an unanswered first query fails the request, and stock 0.21.0's decode
+    engine then dies (KeyError in get_finished). On this 2-core host that first
+    query sometimes goes unanswered (README, Known limits)."""
+    from pathlib import Path
+
+    decode_log = Path(workdir) / "decode.log"
+    text = decode_log.read_text(errors="replace") if decode_log.exists() else ""
+    return "handshake_setup_failed" in text and "zmq.error.Again" in text
+
+
 @pytest.mark.parametrize("connector", ["NixlHMAConnector", "NixlConnector"])
 def test_dense_both_connectors_match(tmp_path, connector):
-    """The harness is not hostile to stock: a dense model at equal TP passes for both."""
-    report, log = e2e(tmp_path, model="dense", connector=connector, p_tp=1, d_tp=1)
+    """The harness is not hostile to stock: a dense model at equal TP passes for
+    both. Stock gets a second run only when its first failed on its one-shot
+    first handshake (nothing else), and says so; ours gets one run."""
+    first = tmp_path / "first"
+    first.mkdir()
+    report, log = e2e(first, model="dense", connector=connector, p_tp=1, d_tp=1)
+    if (
+        not report["ok"]
+        and connector == "NixlConnector"
+        and stock_first_handshake_went_unanswered(first)
+    ):
+        print(f"stock's first handshake went unanswered in 5 s (see {first}); running again")
+        second = tmp_path / "second"
+        second.mkdir()
+        report, log = e2e(second, model="dense", connector=connector, p_tp=1, d_tp=1)
     assert report["ok"], log

@@ -152,6 +152,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -329,6 +330,21 @@ def build_nixl_agent(agent_cls, name: str, config, split_batch_size: int):
     return agent
 
 
+class FailedRequests(set):
+    """Upstream's ``_failed_recv_reqs`` with a lock. vLLM's handshake thread
+    adds to it (``request_ready``, when a handshake fails) while the engine's
+    step reads and clears it in ``get_finished``; ``add`` waits while
+    ``get_finished`` holds ``lock`` (reentrant: the step adds too)."""
+
+    def __init__(self, *items):
+        super().__init__(*items)
+        self.lock = threading.RLock()
+
+    def add(self, item) -> None:
+        with self.lock:
+            super().add(item)
+
+
 def _same_lengths(local_ids_by_group, remote_ids_by_group) -> bool:
     return len(local_ids_by_group) == len(remote_ids_by_group) and all(
         len(local) == len(remote)
@@ -394,6 +410,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         finally:
             upstream_worker_module.derive_mamba_conv_split = upstream_split
             upstream_worker_module.NixlWrapper = upstream_agent_cls
+        self._failed_recv_reqs = FailedRequests(self._failed_recv_reqs)
 
     @property
     def _state_split(self) -> StateSplit:
@@ -1067,8 +1084,22 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         (the handshake thread adds to it), has its blocks reported invalid;
         those of unregistered engines are removed from ``_failed_recv_reqs``
         and ``_recving_metadata`` before upstream runs and added to its
-        ``done_recving``. Remove when: upstream does both.
+        ``done_recving``. All of it, upstream's part too, runs holding
+        ``FailedRequests.lock``: a handshake that fails meanwhile waits to add
+        its request, which the next call takes (without the lock, upstream
+        met such a request unprepared and raised the KeyError anyway: twice
+        in the fault test's dead-side-channel case). Remove when: upstream
+        does both.
         """
+        failed = self._failed_recv_reqs
+        if not isinstance(failed, FailedRequests):  # a worker built without our constructor
+            failed = self._failed_recv_reqs = FailedRequests(failed)
+        with failed.lock:
+            done_sending, done_recving, unregistered = self._get_finished_locked()
+        self._release_failed_engines()
+        return done_sending, done_recving | unregistered
+
+    def _get_finished_locked(self) -> tuple[set[str], set[str], set[str]]:
         unregistered = set()
         for request_id in tuple(self._failed_recv_reqs):
             if not self._kv_awaited(request_id):
@@ -1090,8 +1121,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         for request_id in unregistered:
             self._recving_metadata.pop(request_id, None)
         done_sending, done_recving = super().get_finished()
-        self._release_failed_engines()
-        return done_sending, done_recving | unregistered
+        return done_sending, done_recving, unregistered
 
     def _kv_awaited(self, request_id: str) -> bool:
         """Whether vLLM's scheduler waits for this request's KV: not for one

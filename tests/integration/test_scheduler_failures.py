@@ -281,3 +281,51 @@ def test_a_notify_only_request_whose_handshake_failed_is_dropped_not_reported(
         reported[name] = worker.get_finished()[1]
         assert "1" not in worker._recving_metadata or name == "stock"
     assert reported == {"ours": set(), "stock": {"1"}}
+
+
+def test_a_handshake_failing_while_get_finished_runs_is_reported_by_the_next_call(
+    hybrid_config, mocker
+):
+    """vLLM's handshake thread adds a failed request to ``_failed_recv_reqs``
+    whenever its handshake fails, also while the engine's step is inside
+    ``get_finished``, between our preparation and upstream's part. Upstream
+    then met a request of an engine that never registered: KeyError, the
+    decode worker down (seen in CI's fault test). Now the thread waits for
+    the step, and the next call reports the request."""
+    import threading
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
+
+    from vllm_nixl_hma import NixlHMAConnectorWorker
+
+    worker = decode_worker(hybrid_config[0], NixlHMAConnectorWorker, mocker)
+    for request_id, blocks in (("early", [[3], [4]]), ("late", [[5], [6]])):
+        worker._recving_metadata[request_id] = ReqMeta(
+            local_block_ids=blocks,
+            local_physical_block_ids=blocks,
+            tp_size=1,
+            remote=RemoteMeta(
+                block_ids=blocks,
+                host="127.0.0.1",
+                port=1,
+                engine_id="never-registered",
+                request_id=f"prefill-{request_id}",
+            ),
+        )
+    worker._failed_recv_reqs.add("early")
+    # as upstream's request_ready does: the attribute is looked up when the handshake fails
+    handshake_thread = threading.Thread(target=lambda: worker._failed_recv_reqs.add("late"))
+    real_report = worker._report_invalid_blocks_of
+
+    def report_then_fail_a_handshake(request_id):
+        real_report(request_id)
+        if request_id == "early":
+            handshake_thread.start()
+            handshake_thread.join(timeout=0.2)  # it may not add while the step is inside
+
+    mocker.patch.object(worker, "_report_invalid_blocks_of", report_then_fail_a_handshake)
+    assert worker.get_finished()[1] == {"early"}
+    handshake_thread.join(timeout=5)
+    assert not handshake_thread.is_alive()
+    assert worker.get_finished()[1] == {"late"}
+    assert worker.get_finished()[1] == set()

@@ -89,6 +89,8 @@ def build_read_path_worker(
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
     from vllm.v1.attention.backends.flashinfer import FlashInferBackend
 
+    from vllm_nixl_hma.worker import FailedRequests, NixlHMAConnectorWorker
+
     worker = object.__new__(worker_cls)
     config = kv_cache_config(
         group_kinds, local_ratio, logical_blocks, kernel_block_tokens, window_tokens
@@ -143,7 +145,9 @@ def build_read_path_worker(
     worker._recving_transfers = defaultdict(list)
     worker._recving_metadata = {}
     worker._invalid_block_ids = set()
-    worker._failed_recv_reqs = set()
+    worker._failed_recv_reqs = (
+        FailedRequests() if issubclass(worker_cls, NixlHMAConnectorWorker) else set()
+    )
     worker.xfer_stats = NixlKVConnectorStats()
     return worker
 

@@ -410,7 +410,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         finally:
             upstream_worker_module.derive_mamba_conv_split = upstream_split
             upstream_worker_module.NixlWrapper = upstream_agent_cls
-        self._failed_recv_reqs = FailedRequests(self._failed_recv_reqs)
+        self._failed_recv_reqs = FailedRequests(getattr(self, "_failed_recv_reqs", ()))
 
     @property
     def _state_split(self) -> StateSplit:

@@ -249,34 +249,45 @@ class RawNixl:
         self.reader = self.owner = None
 
 
+def transfer_requests(tokens: int, count: int, seed: int) -> tuple[int, int, list]:
+    """The transfer benchmark's hybrid request of ``tokens``: (logical blocks
+    per request, pool of logical blocks, ``count`` drawn (local, remote) ids)."""
+    logical_per_request = math.ceil(tokens / (TRANSFER_RATIO * KERNEL_BLOCK_TOKENS))
+    pool = 2 * logical_per_request + 2
+    requests = draw_requests(LAYOUTS["hybrid"], pool, logical_per_request, count, seed)
+    return logical_per_request, pool, requests
+
+
+def live_transfer_path(worker_cls: type, pool: int):
+    """A live read path with the transfer benchmark's realistic pages."""
+    from vllm_nixl_hma.harness.read_path import build_live_read_path
+
+    return build_live_read_path(
+        worker_cls,
+        LAYOUTS["hybrid"],
+        TRANSFER_RATIO,
+        layers=TRANSFER_LAYERS,
+        logical_blocks=pool,
+        page_bytes=TRANSFER_PAGE_BYTES,
+        mamba_shapes=TRANSFER_MAMBA_SHAPES,
+        nixl_threads=NIXL_THREADS,
+    )
+
+
 def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
     """One hybrid request of ``tokens``: read through ours, then stock (each
     alone in the process, on the same requests), then raw NIXL and memcpy of
     the same bytes; one warm-up read each, then medians of ``repeats``."""
     import numpy as np
 
-    from vllm_nixl_hma.harness.read_path import build_live_read_path
-
-    kinds = LAYOUTS["hybrid"]
-    logical_per_request = math.ceil(tokens / (TRANSFER_RATIO * KERNEL_BLOCK_TOKENS))
-    pool = 2 * logical_per_request + 2
-    requests = draw_requests(kinds, pool, logical_per_request, repeats + 1, seed)
+    logical_per_request, pool, requests = transfer_requests(tokens, repeats + 1, seed)
     classes = worker_classes()
     samples: dict[str, list[float]] = {}
     posts: dict[str, list[float]] = {}
     descriptors: dict[str, int] = {}
     num_bytes = 0
     for name in WORKERS:
-        live = build_live_read_path(
-            classes[name],
-            kinds,
-            TRANSFER_RATIO,
-            layers=TRANSFER_LAYERS,
-            logical_blocks=pool,
-            page_bytes=TRANSFER_PAGE_BYTES,
-            mamba_shapes=TRANSFER_MAMBA_SHAPES,
-            nixl_threads=NIXL_THREADS,
-        )
+        live = live_transfer_path(classes[name], pool)
         try:
             conv_bytes, ssm_bytes = live.worker._mamba_ssm_size
             attention_bytes = logical_per_request * TRANSFER_RATIO * TRANSFER_PAGE_BYTES

@@ -14,7 +14,6 @@ Plans: ``ours`` (our worker, split ``read_threads.DEFAULT_SPLIT_BATCH_SIZE``),
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
@@ -44,25 +43,12 @@ def profile(plan: str, tokens: int, reads: int) -> str:
     import run as bench
 
     from vllm_nixl_hma import read_threads
-    from vllm_nixl_hma.harness.read_path import build_live_read_path
 
     if plan == "ours-nixl-default":
         read_threads.DEFAULT_SPLIT_BATCH_SIZE = NIXL_DEFAULT_SPLIT
     worker_cls = bench.worker_classes()["stock" if plan == "stock" else "ours"]
-    kinds = bench.LAYOUTS["hybrid"]
-    logical_per_request = math.ceil(tokens / (bench.TRANSFER_RATIO * bench.KERNEL_BLOCK_TOKENS))
-    pool = 2 * logical_per_request + 2
-    requests = bench.draw_requests(kinds, pool, logical_per_request, reads + 1, tokens)
-    live = build_live_read_path(
-        worker_cls,
-        kinds,
-        bench.TRANSFER_RATIO,
-        layers=bench.TRANSFER_LAYERS,
-        logical_blocks=pool,
-        page_bytes=bench.TRANSFER_PAGE_BYTES,
-        mamba_shapes=bench.TRANSFER_MAMBA_SHAPES,
-        nixl_threads=bench.NIXL_THREADS,
-    )
+    _, pool, requests = bench.transfer_requests(tokens, reads + 1, tokens)
+    live = bench.live_transfer_path(worker_cls, pool)
     caller = str(threading.get_native_id())
     try:
         live.read("warm-up", *requests[0])

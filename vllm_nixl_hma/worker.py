@@ -318,8 +318,15 @@ def derive_state_split(vllm_config, mamba_spec: MambaSpec, tp_size: int, tp_rank
 def build_nixl_agent(agent_cls, name: str, config, split_batch_size: int):
     """``agent_cls(name, config)`` (NIXL's ``nixl_agent``), with UCX's
     ``split_batch_size`` when ``config`` asks for UCX alone with threads;
-    any other agent is built exactly as asked (see ``read_threads``)."""
-    if config is None or list(config.backends) != ["UCX"] or config.num_threads < 1:
+    any other agent is built exactly as asked (see ``read_threads``), and so
+    is one whose class cannot add a backend after it is built (``NixlWrapper``
+    stand-ins, such as vLLM's own tests use)."""
+    if (
+        config is None
+        or list(config.backends) != ["UCX"]
+        or config.num_threads < 1
+        or not callable(getattr(agent_cls, "create_backend", None))
+    ):
         return agent_cls(name, config)
     without_backends = copy.copy(config)
     without_backends.backends = []

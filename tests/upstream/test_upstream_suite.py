@@ -65,6 +65,9 @@ def run_upstream(
 ) -> dict[str, str]:
     """Run ``nodes`` of the vLLM tests under ``root`` in a child pytest; each
     node id's outcome (passed, failed, skipped)."""
+    suite_deps = source.suite_deps_dir()
+    if not (suite_deps / ".complete").exists():
+        pytest.fail(f"{suite_deps} is missing: run `python tests/upstream/source.py` first")
     package_dir = tmp_path / f"package-{tag}"
     package_dir.mkdir()
     # this work tree's package, ahead of any installed copy
@@ -72,7 +75,7 @@ def run_upstream(
     report = tmp_path / f"{tag}.json"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(package_dir), str(PLUGINS)]),
+        "PYTHONPATH": os.pathsep.join([str(package_dir), str(PLUGINS), str(suite_deps)]),
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_CACHE": str(source.hub_dir(source.installed_vllm_version())),
         "UCX_NET_DEVICES": "lo",

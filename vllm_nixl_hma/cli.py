@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cells(args: argparse.Namespace, workdir: Path):
     from vllm_nixl_hma.harness.coordinator import Cell, Scenario, model_dir_for
-    from vllm_nixl_hma.harness.model_shapes import LAYOUTS
+    from vllm_nixl_hma.harness.model_shapes import installed_layouts
 
     tp_pairs = [
         (p, d)
@@ -147,7 +147,8 @@ def _cells(args: argparse.Namespace, workdir: Path):
         model_dirs = {args.model_config.name: str(args.model_config.resolve())}
     else:
         names = [args.layout] if args.layout else list(DEFAULT_LAYOUTS)
-        model_dirs = {name: model_dir_for(LAYOUTS[name], workdir) for name in names}
+        layouts = installed_layouts()
+        model_dirs = {name: model_dir_for(layouts[name], workdir) for name in names}
     return [
         Cell(
             layout=name,

@@ -23,6 +23,12 @@ For every config that selects NixlHMAConnector (hybrid or not) and names no
 scheduler class of its own, it selects ``vllm_nixl_hma.scheduler``'s factory,
 whose schedulers can fail or recompute a multi-group request whose KV did not
 arrive (vLLM 0.21.0's cannot; the worker reports such requests only to them).
+
+On vLLM 0.33 the hook changes nothing: 0.33 keeps HMA on for connectors that
+support it, fails or recomputes a multi-group request through
+``failed_recving`` itself, and prefix caching of a Mamba hybrid works in P/D
+at equal TP, so it stays the user's choice; unequal kernel-per-logical ratios
+with prefix caching are refused at the handshake instead (``v033/``).
 """
 
 from __future__ import annotations
@@ -67,6 +73,10 @@ def _is_mamba_hybrid(vllm_config: VllmConfig) -> bool:
 def apply(vllm_config: VllmConfig) -> None:
     """Edit ``vllm_config`` in place as the module docstring says."""
     if not selects_this_connector(vllm_config):
+        return
+    from vllm_nixl_hma import _compat
+
+    if _compat.adapter() == "v033":
         return
     if vllm_config.scheduler_config.scheduler_cls is None:
         from vllm_nixl_hma.scheduler import FACTORY_PATH

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm_nixl_hma._compat import require_supported_vllm
+from vllm_nixl_hma._compat import require_adapter
 
-require_supported_vllm()
+require_adapter("v021", "vllm_nixl_hma.connector")
 
 from vllm import envs  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402

@@ -10,17 +10,34 @@ connector module loads only when a config selects it.
 
 from __future__ import annotations
 
+from vllm_nixl_hma import _compat
+
 CONNECTOR_NAME = "NixlHMAConnector"
-CONNECTOR_MODULE = "vllm_nixl_hma.connector"
+#: the connector's module per glue (``_compat.adapter``)
+CONNECTOR_MODULES = {
+    "v021": "vllm_nixl_hma.connector",
+    "v033": "vllm_nixl_hma.v033.connector",
+}
+
+
+def connector_module() -> str:
+    """The module of ``NixlHMAConnector`` for the installed vLLM. On a release
+    the plugin does not support: the 0.21.0 module, whose import refuses with
+    one sentence naming both versions (only if a config selects the connector)."""
+    try:
+        return CONNECTOR_MODULES[_compat.adapter()]
+    except ImportError:  # UnsupportedVersionError
+        return CONNECTOR_MODULES["v021"]
 
 
 def register() -> None:
     """Register ``NixlHMAConnector`` by name and install the config hook."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    module = connector_module()
     # Make sure we only do this once: the factory raises on a duplicate name.
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, module, CONNECTOR_NAME)
 
     from vllm_nixl_hma import config_hook
 

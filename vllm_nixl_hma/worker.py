@@ -158,9 +158,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_nixl_hma._compat import require_supported_vllm
+from vllm_nixl_hma._compat import require_adapter
 
-require_supported_vllm()
+require_adapter("v021", "vllm_nixl_hma.worker")
 
 from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
     BlockIds,
@@ -177,9 +177,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # noqa: E402
     ReadSpec,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import (  # noqa: E402
-    get_representative_spec_type,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (  # noqa: E402
     NixlConnectorWorker,
 )
@@ -187,7 +184,6 @@ from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     MambaSpec,
-    SlidingWindowSpec,
 )
 
 from vllm_nixl_hma import (  # noqa: E402
@@ -195,15 +191,18 @@ from vllm_nixl_hma import (  # noqa: E402
     blocks,
     handshake,
     lease,
-    mamba_conv,
     page_runs,
     read_threads,
     side_channel,
 )
 from vllm_nixl_hma.errors import (  # noqa: E402
     BlockAlignmentError,
-    IncompatibleRemoteError,
-    UnsupportedModelError,
+)
+from vllm_nixl_hma.groups import group_kinds_of  # noqa: E402
+from vllm_nixl_hma.state_split import (  # noqa: E402
+    StateSplit,
+    derive_state_split,
+    remote_page_reads,
 )
 
 __all__ = [
@@ -245,74 +244,6 @@ class PageRunList:
     def num_run_descs(self) -> int:
         """Where the Mamba descriptors start."""
         return self.num_layers * self.runs_per_layer
-
-
-#: upstream's descriptor ids give each Mamba layer 4 regions: 3 conv parts + SSM
-_UPSTREAM_CONV_PARTS = 3
-
-
-@dataclass(frozen=True)
-class StateSplit:
-    """What this rank's Mamba-type state is made of; stands in for upstream's
-    ``MambaConvSplitInfo`` (``_conv_decomp``), which describes Mamba2 only.
-
-    ``ssm_sizes`` is upstream's ``(conv state bytes, SSM state bytes)`` per
-    block; ``local_conv_offsets`` is what upstream's ``_build_mamba_local``
-    reads: (offset, size) in bytes of each conv part inside this rank's page.
-    """
-
-    model: mamba_conv.StateModel
-    conv_rows: int
-    conv_dtype_size: int
-    ssm_head_bytes: int
-    ssm_sizes: tuple[int, int]
-    local_conv_offsets: list[tuple[int, int]]
-
-
-def derive_state_split(vllm_config, mamba_spec: MambaSpec, tp_size: int, tp_rank: int):
-    """This rank's ``StateSplit``, from the model's config and checked against
-    the ``MambaSpec`` shapes vLLM's layer reported (DS conv layout).
-
-    Raises ``UnsupportedModelError`` for a state type ``mamba_conv`` does not
-    describe, or a config whose dimensions do not give the spec's shapes.
-    """
-    import torch
-
-    arch = vllm_config.model_config.architecture
-    mamba_type = mamba_spec.mamba_type.name
-    model = mamba_conv.state_model_of(vllm_config.model_config.hf_text_config, mamba_type)
-    if model is None:
-        raise UnsupportedModelError(
-            f"NixlHMAConnector moves Mamba2 and GatedDeltaNet state; {arch} has "
-            f"{mamba_type} layers, whose state it does not know how to split across TP ranks"
-        )
-    (conv_channels, conv_rows), ssm_shape = mamba_spec.shapes[0], mamba_spec.shapes[1]
-    try:
-        expected_channels = mamba_conv.conv_channel_ids(model, tp_size, tp_rank).size
-        expected_heads = mamba_conv.ssm_head_ids(model.state_heads, tp_size, tp_rank).size
-    except ValueError as e:
-        raise UnsupportedModelError(f"{arch} at TP {tp_size}: {e}") from e
-    if (expected_channels, expected_heads) != (conv_channels, ssm_shape[0]):
-        raise UnsupportedModelError(
-            f"{arch} at TP {tp_size}: its config gives {expected_channels} conv channels "
-            f"and {expected_heads} state heads per rank, vLLM's layer has {conv_channels} "
-            f"and {ssm_shape[0]} (state shapes {mamba_spec.shapes})"
-        )
-    conv_dtype_size = torch.empty(0, dtype=mamba_spec.dtypes[0]).element_size()
-    ssm_head_bytes = (
-        int(np.prod(ssm_shape[1:])) * torch.empty(0, dtype=mamba_spec.dtypes[1]).element_size()
-    )
-    regions = mamba_conv.conv_regions(model, conv_rows, conv_dtype_size, tp_size, tp_rank)
-    if len(regions) != _UPSTREAM_CONV_PARTS:
-        raise UnsupportedModelError(f"{arch}: {len(regions)} conv parts, upstream reads 3")
-    return StateSplit(
-        model=model,
-        conv_rows=int(conv_rows),
-        conv_dtype_size=conv_dtype_size,
-        ssm_head_bytes=ssm_head_bytes,
-        ssm_sizes=(conv_channels * conv_rows * conv_dtype_size, ssm_shape[0] * ssm_head_bytes),
-        local_conv_offsets=[(r.page_offset_bytes, r.size_bytes) for r in regions.values()],
-    )
 
 
 def build_nixl_agent(agent_cls, name: str, config, split_batch_size: int):
@@ -357,20 +288,6 @@ def _same_lengths(local_ids_by_group, remote_ids_by_group) -> bool:
         len(local) == len(remote)
         for local, remote in zip(local_ids_by_group, remote_ids_by_group, strict=True)
     )
-
-
-def group_kinds_of(kv_cache_config: KVCacheConfig) -> tuple[blocks.GroupKind, ...]:
-    """The ``blocks.GroupKind`` of every KV cache group, in group order."""
-    kinds = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec_type = get_representative_spec_type(group.kv_cache_spec)
-        if issubclass(spec_type, MambaSpec):
-            kinds.append(blocks.GroupKind.MAMBA)
-        elif issubclass(spec_type, SlidingWindowSpec):
-            kinds.append(blocks.GroupKind.SLIDING_WINDOW)
-        else:
-            kinds.append(blocks.GroupKind.FULL_ATTENTION)
-    return tuple(kinds)
 
 
 class NixlHMAConnectorWorker(NixlConnectorWorker):
@@ -811,29 +728,17 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         and the remote rank being added (``add_remote_agent``). Remove when:
         upstream reads GatedDeltaNet and replicated groups right.
         """
-        split = self._state_split
-        remote_tp_size = transfer_info.remote_tp_size
-        remote_rank = self._remote_tp_rank_being_added
-        conv_reads, ssm_read = self._remote_state_reads(split, remote_tp_size, remote_rank)
-        remote_conv_bytes = sum(
-            region.size_bytes
-            for region in mamba_conv.conv_regions(
-                split.model, split.conv_rows, split.conv_dtype_size, remote_tp_size, remote_rank
-            ).values()
+        reads = remote_page_reads(
+            self._state_split,
+            transfer_info.remote_tp_size,
+            self._remote_tp_rank_being_added,
+            self.world_size,
+            self.tp_rank,
+            nixl_agent_meta.ssm_sizes[0],
         )
-        if int(nixl_agent_meta.ssm_sizes[0]) != remote_conv_bytes:
-            raise IncompatibleRemoteError(
-                "ssm_sizes[0] (conv state bytes per block of the prefill rank)",
-                remote_conv_bytes,
-                int(nixl_agent_meta.ssm_sizes[0]),
-                "prefill's conv state is not the one this model has at its TP size; "
-                "both engines must serve the same model",
-            )
         remote_physical_per_logical = transfer_info.remote_physical_blocks_per_logical
         num_blocks = nixl_agent_meta.num_blocks // remote_physical_per_logical
         device_id = nixl_agent_meta.device_id
-        reads = [(read.remote_offset_bytes, read.size_bytes) for read in conv_reads]
-        reads.append((remote_conv_bytes + ssm_read.remote_offset_bytes, ssm_read.size_bytes))
         descs: list[tuple[int, int, int]] = []
         for layer, base_addr in enumerate(nixl_agent_meta.kv_caches_base_addr):
             page_stride = nixl_agent_meta.block_lens[layer] * remote_physical_per_logical
@@ -843,40 +748,6 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                     for block in range(num_blocks)
                 )
         return descs
-
-    def _remote_state_reads(
-        self, split: StateSplit, remote_tp_size: int, remote_rank: int | None
-    ) -> tuple[list[mamba_conv.ReadSlice], mamba_conv.ReadSlice]:
-        """This decode rank's conv-part reads (in part order) and SSM read from
-        ``remote_rank``: one of each, as upstream's descriptor ids expect."""
-        shape = (split.model, split.conv_rows, split.conv_dtype_size)
-        conv_plan = mamba_conv.conv_read_plan(*shape, remote_tp_size, self.world_size, self.tp_rank)
-        if not mamba_conv.respects_vllm_local_splits(
-            conv_plan, *shape, remote_tp_size, self.world_size, self.tp_rank
-        ):
-            raise IncompatibleRemoteError(
-                "tensor_parallel_size",
-                self.world_size,
-                remote_tp_size,
-                "the replicated Mamba2 group's B/C conv state cannot be split evenly "
-                "across the prefill ranks this decode rank reads; use TP sizes whose "
-                "ratio divides d_state * (conv_kernel - 1) * dtype size",
-            )
-        ssm_plan = mamba_conv.ssm_read_plan(
-            split.model.state_heads,
-            split.ssm_head_bytes,
-            remote_tp_size,
-            self.world_size,
-            self.tp_rank,
-        )
-        conv_reads = [read for read in conv_plan if read.p_rank == remote_rank]
-        ssm_reads = [read for read in ssm_plan if read.p_rank == remote_rank]
-        if len(conv_reads) != _UPSTREAM_CONV_PARTS or len(ssm_reads) != 1:
-            raise RuntimeError(
-                f"decode rank {self.tp_rank} of TP {self.world_size} reads no state "
-                f"from prefill rank {remote_rank} of TP {remote_tp_size}"
-            )
-        return conv_reads, ssm_reads[0]
 
     def register_kv_caches(self, kv_caches):
         """vLLM 0.21.0 ``NixlConnectorWorker.register_kv_caches``, then our record.

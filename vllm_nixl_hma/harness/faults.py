@@ -21,7 +21,7 @@ from vllm_nixl_hma.harness.coordinator import (
     model_dir_for,
     run_cell,
 )
-from vllm_nixl_hma.harness.model_shapes import LAYOUTS
+from vllm_nixl_hma.harness.model_shapes import installed_layouts
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,8 @@ def run_faults(
     layout: str = "hybrid",
 ) -> list[FaultResult]:
     """``env``: extra environment of the rank processes (e.g. their log file)."""
-    model_dirs = {name: model_dir_for(LAYOUTS[name], workdir) for name in LAYOUTS}
+    layouts = installed_layouts()
+    model_dirs = {name: model_dir_for(layouts[name], workdir) for name in layouts}
     size = max(f.p_tp + f.d_tp for f in faults)
     pool = RankPool(size, env)
     # reads slow enough (UCX over TCP) to be interrupted; its own processes

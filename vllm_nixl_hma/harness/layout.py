@@ -101,8 +101,12 @@ def _platform_cls() -> type:
 
     class _HarnessPlatform(Platform):
         @classmethod
-        def _find_non_ssm_backend(cls, vllm_config):  # noqa: ARG003
+        def _find_non_ssm_backend(cls, vllm_config):  # noqa: ARG003 (vLLM 0.21)
             return _attention_backend_cls()
+
+        @classmethod
+        def _find_non_ssm_backends(cls, vllm_config):  # noqa: ARG003 (vLLM 0.33)
+            return [_attention_backend_cls()]
 
     return _HarnessPlatform
 
@@ -399,7 +403,10 @@ class EngineLayout:
     tp_size: int = 1
     kernel_block_sizes: list[int] = field(default_factory=list)  # per KV cache group
     raw_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> int8 buffer
-    kv_cache_layout: str = ""  # "HND" / "NHD" as get_kv_cache_layout() answered
+    kv_cache_layout: str = ""  # "HND" / "NHD" as get_kv_cache_layout() answered (0.33: "LBHNC")
+    # vLLM 0.33: every distinct layer region of the one backing buffer, as int8
+    # [logical block, block stride]; empty on 0.21 (each tensor is its own buffer)
+    page_regions: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_logical_blocks(self) -> int:
@@ -447,6 +454,13 @@ def _global_heads(total_kv_heads: int, tp_size: int, tp_rank: int, local: int) -
 def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
     """Allocate and shape TP rank ``tp_rank``'s KV cache in CPU memory, the GPU runner's way."""
     import copy
+
+    from vllm_nixl_hma import _compat
+
+    if _compat.adapter() == "v033":
+        from vllm_nixl_hma.harness import layout_v033
+
+        return layout_v033.build_engine_layout(vllm_config, tp_rank)
 
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.utils import get_kv_cache_layout

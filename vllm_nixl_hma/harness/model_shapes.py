@@ -98,3 +98,45 @@ LAYOUTS["gdn"] = {
     "partial_rotary_factor": 0.25,
     "rope_theta": 10000.0,
 }
+
+
+def as_granite_hybrid(bamba: dict[str, Any]) -> dict[str, Any]:
+    """The same Mamba2 hybrid as a ``GraniteMoeHybridForCausalLM`` (granite-4.0-h) config.
+
+    vLLM removed Bamba in 0.23.0; granite-4.0-h is the Mamba2 hybrid it keeps
+    (no MoE: ``num_local_experts`` 0, one shared MLP; no position embedding).
+    Layer order, Mamba shapes and the attention heads are ``bamba``'s.
+    """
+    attention_layers = set(bamba["attn_layer_indices"])
+    config = {k: v for k, v in bamba.items() if k != "attn_layer_indices"}
+    config.update(
+        architectures=["GraniteMoeHybridForCausalLM"],
+        model_type="granitemoehybrid",
+        layer_types=[
+            "full_attention" if index in attention_layers else "linear_attention"
+            for index in range(bamba["num_hidden_layers"])
+        ],
+        num_local_experts=0,
+        shared_intermediate_size=bamba["intermediate_size"],
+        position_embedding_type="nope",
+        embedding_multiplier=1.0,
+        logits_scaling=1.0,
+        residual_multiplier=1.0,
+        attention_multiplier=1.0,
+        attention_bias=False,
+    )
+    return config
+
+
+#: vLLM 0.33: the same layouts, the Mamba2 hybrids as granite-4.0-h configs
+LAYOUTS_V033: dict[str, dict[str, Any]] = {
+    name: as_granite_hybrid(config) if config["model_type"] == "bamba" else config
+    for name, config in LAYOUTS.items()
+}
+
+
+def installed_layouts() -> dict[str, dict[str, Any]]:
+    """The embedded layouts for the installed vLLM (``_compat.adapter``)."""
+    from vllm_nixl_hma import _compat
+
+    return LAYOUTS_V033 if _compat.adapter() == "v033" else LAYOUTS

@@ -23,6 +23,9 @@ POLL_SECONDS = 0.0005
 #: where a rank process writes its output (the check's log file); unset: inherited
 LOG_ENV = "VLLM_NIXL_HMA_RANK_LOG"
 
+#: vLLM 0.33's connector API (set once the rank process has imported vLLM)
+V033 = False
+
 # The pipe to the coordinator, for commands that watch for "abort" while they run.
 _CONNECTION = None
 
@@ -108,7 +111,10 @@ class RankEngine:
 
     def _worker_class(self):
         if self.spec.connector == "NixlHMAConnector":
-            from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+            if V033:
+                from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+            else:
+                from vllm_nixl_hma.worker import NixlHMAConnectorWorker
 
             return NixlHMAConnectorWorker
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
@@ -118,7 +124,7 @@ class RankEngine:
         return NixlConnectorWorker
 
     def describe(self) -> dict[str, Any]:
-        from vllm_nixl_hma.worker import group_kinds_of
+        from vllm_nixl_hma.groups import group_kinds_of
 
         layout = self.layout
         return {
@@ -144,6 +150,8 @@ class RankEngine:
         self.scheduler = NixlConnectorScheduler(
             self.vllm_config, self.spec.engine_id, self.layout.kv_cache_config
         )
+        if V033:  # keyed by (PP rank, TP rank)
+            payloads = {(0, int(tp_rank)): payload for tp_rank, payload in payloads.items()}
         self.scheduler.set_xfer_handshake_metadata(payloads)
 
     def shutdown(self) -> None:
@@ -244,8 +252,12 @@ def _views(engine: RankEngine):
 
 def _pages(engine: RankEngine) -> list:
     """Every KV buffer of the rank as an int16 [logical block, elements] view
-    of its (host) memory: writes go to the cache, or to its host mirror."""
+    of its (host) memory: writes go to the cache, or to its host mirror.
+    vLLM 0.33 keeps every layer in one buffer: one view per layer region."""
     import torch
+
+    if engine.layout.page_regions:
+        return [region.view(torch.int16).numpy() for region in engine.layout.page_regions]
 
     arrays = []
     seen: set[int] = set()
@@ -400,37 +412,46 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
     stats.reset()
     metadata = NixlConnectorMetadata()
     for request in requests:
+        # 0.33: the scheduler parked the request and awaits its KV
+        awaiting = {"awaiting_kvs": True} if V033 else {}
         metadata.add_new_req_to_recv(
             request_id=request["request_id"],
             local_block_ids=request["local_logical_ids_by_group"],
             kv_transfer_params=request["kv_transfer_params"],
+            **awaiting,
         )
-    # as NixlHMAConnector.build_connector_meta hands lease ends to its workers
-    from vllm_nixl_hma import lease
-    from vllm_nixl_hma.worker import LEASE_DEADLINES_ATTR
+    if not V033:
+        # as NixlHMAConnector.build_connector_meta hands lease ends to its workers
+        from vllm_nixl_hma import lease
+        from vllm_nixl_hma.worker import LEASE_DEADLINES_ATTR
 
-    setattr(
-        metadata,
-        LEASE_DEADLINES_ATTR,
-        {
-            r["request_id"]: r["kv_transfer_params"][lease.PARAM]
-            for r in requests
-            if lease.PARAM in r["kv_transfer_params"]
-        },
-    )
+        setattr(
+            metadata,
+            LEASE_DEADLINES_ATTR,
+            {
+                r["request_id"]: r["kv_transfer_params"][lease.PARAM]
+                for r in requests
+                if lease.PARAM in r["kv_transfer_params"]
+            },
+        )
     start = time.perf_counter()
     done: set[str] = set()
     failed: set[str] = set()
     wanted = {r["request_id"] for r in requests}
     deadline = time.monotonic() + timeout_s
     worker.start_load_kv(metadata)
-    while done != wanted and time.monotonic() < deadline:
+    while done | failed != wanted and time.monotonic() < deadline:
         worker.start_load_kv(NixlConnectorMetadata())
-        # upstream reports requests it gave up on (handshake or transfer setup
-        # failed) as finished; note them before get_finished clears the set
-        failed |= set(tuple(worker._failed_recv_reqs))
-        _, done_recving = worker.get_finished()
-        done |= done_recving
+        if V033:  # failures come back per request, beside the finished ones
+            results = worker.get_transfer_results()
+            failed |= set(results.failed_recving)
+            done |= set(results.finished_recving) - failed
+        else:
+            # upstream reports requests it gave up on (handshake or transfer setup
+            # failed) as finished; note them before get_finished clears the set
+            failed |= set(tuple(worker._failed_recv_reqs))
+            _, done_recving = worker.get_finished()
+            done |= done_recving
         time.sleep(POLL_SECONDS)
     seconds = time.perf_counter() - start
     data = stats.data
@@ -479,7 +500,10 @@ def rank_main(connection) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import vllm  # noqa: F401  (pay the import once, up front)
 
-    from vllm_nixl_hma import plugin
+    from vllm_nixl_hma import _compat, plugin
+
+    global V033
+    V033 = _compat.adapter() == "v033"
 
     plugin.register()
     connection.send(("ready", None))

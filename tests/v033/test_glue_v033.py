@@ -1,0 +1,73 @@
+"""The plugin on vLLM 0.33: which glue loads, and what the 0.21-only parts leave alone (#13).
+
+Runs in the vLLM 0.33 environment (tools/env.sh v033).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_nixl_hma import _compat, config_hook, plugin
+from vllm_nixl_hma.errors import UnsupportedVersionError
+from vllm_nixl_hma.harness import layout
+from vllm_nixl_hma.harness.model_shapes import LAYOUTS_V033
+
+pytestmark = pytest.mark.vllm033
+
+
+def test_the_installed_vllm_is_033_and_gets_its_glue():
+    assert _compat.installed_vllm_version().startswith("0.33.")
+    assert _compat.adapter() == "v033"
+    assert plugin.connector_module() == "vllm_nixl_hma.v033.connector"
+
+
+def test_the_name_resolves_to_our_pull_connector_with_our_worker():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    plugin.register()
+    plugin.register()  # idempotent: the factory raises on a duplicate name
+    connector_cls = KVConnectorFactory._registry[plugin.CONNECTOR_NAME]()
+    assert connector_cls.__module__ == "vllm_nixl_hma.v033.connector"
+    assert issubclass(connector_cls, NixlPullConnector)
+    assert issubclass(connector_cls.worker_cls, NixlPullConnectorWorker)
+    assert connector_cls.worker_cls.__module__ == "vllm_nixl_hma.v033.worker"
+
+
+def test_the_021_glue_refuses_to_import_here():
+    with pytest.raises(UnsupportedVersionError, match="glue for vLLM >=0.21.0,<0.21.1"):
+        import vllm_nixl_hma.connector  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def hybrid_config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("granite")
+    (root / "config.json").write_text(json.dumps(LAYOUTS_V033["hybrid-1group"]))
+    config = layout.build_vllm_config(
+        str(root),
+        1,
+        "NixlHMAConnector",
+        "engine-0",
+        "kv_consumer",
+        64,
+        512,
+        enable_prefix_caching=True,
+    )
+    return config
+
+
+def test_the_config_hook_leaves_a_033_hybrid_config_alone(hybrid_config):
+    """0.33 serves prefix caching of a Mamba hybrid at equal TP and fails
+    multi-group requests itself: the hook must not take either away."""
+    assert config_hook.selects_this_connector(hybrid_config)
+    assert hybrid_config.model_config.is_hybrid
+    assert hybrid_config.cache_config.enable_prefix_caching is True
+    scheduler_cls = hybrid_config.scheduler_config.scheduler_cls
+    assert scheduler_cls is None or "vllm_nixl_hma" not in str(scheduler_cls)
+    config_hook.apply(hybrid_config)  # a second pass changes nothing either
+    assert hybrid_config.cache_config.enable_prefix_caching is True

@@ -1,0 +1,32 @@
+"""The kind of each KV cache group, read from vLLM's specs (the same on vLLM 0.21 and 0.33).
+
+The one piece of vLLM glue both releases' workers and the check harness share:
+``blocks`` works on ``GroupKind`` values and never sees a vLLM class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_nixl_hma import blocks
+
+__all__ = ["group_kinds_of"]
+
+
+def group_kinds_of(kv_cache_config: Any) -> tuple[blocks.GroupKind, ...]:
+    """The ``blocks.GroupKind`` of every KV cache group, in group order."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import (
+        get_representative_spec_type,
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    kinds = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec_type = get_representative_spec_type(group.kv_cache_spec)
+        if issubclass(spec_type, MambaSpec):
+            kinds.append(blocks.GroupKind.MAMBA)
+        elif issubclass(spec_type, SlidingWindowSpec):
+            kinds.append(blocks.GroupKind.SLIDING_WINDOW)
+        else:
+            kinds.append(blocks.GroupKind.FULL_ATTENTION)
+    return tuple(kinds)

@@ -1,0 +1,147 @@
+"""What one rank's Mamba-type state is made of, from the model's config (vLLM 0.21 and 0.33).
+
+``StateSplit`` stands in for upstream's ``MambaConvSplitInfo`` (``_conv_decomp``):
+vLLM's describes the conv parts only by their per-rank byte sizes, so it
+cannot tell a replicated SSM group from a sharded one; ours knows the model
+(``mamba_conv.StateModel``), so the read plans of ``mamba_conv`` can place B
+and C right. Both releases' workers build one per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_nixl_hma import mamba_conv
+from vllm_nixl_hma.errors import IncompatibleRemoteError, UnsupportedModelError
+
+__all__ = ["UPSTREAM_CONV_PARTS", "StateSplit", "derive_state_split", "remote_page_reads"]
+
+#: upstream's descriptor ids give each Mamba layer 4 regions: 3 conv parts + SSM
+UPSTREAM_CONV_PARTS = 3
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """What this rank's Mamba-type state is made of; stands in for upstream's
+    ``MambaConvSplitInfo`` (``_conv_decomp``), which describes Mamba2 only.
+
+    ``ssm_sizes`` is upstream's ``(conv state bytes, SSM state bytes)`` per
+    block; ``local_conv_offsets`` is what upstream's ``_build_mamba_local``
+    reads: (offset, size) in bytes of each conv part inside this rank's page.
+    """
+
+    model: mamba_conv.StateModel
+    conv_rows: int
+    conv_dtype_size: int
+    ssm_head_bytes: int
+    ssm_sizes: tuple[int, int]
+    local_conv_offsets: list[tuple[int, int]]
+
+
+def derive_state_split(vllm_config: Any, mamba_spec: Any, tp_size: int, tp_rank: int) -> StateSplit:
+    """This rank's ``StateSplit``, from the model's config and checked against
+    the ``MambaSpec`` shapes vLLM's layer reported (DS conv layout).
+
+    Raises ``UnsupportedModelError`` for a state type ``mamba_conv`` does not
+    describe, or a config whose dimensions do not give the spec's shapes.
+    """
+    import torch
+
+    arch = vllm_config.model_config.architecture
+    mamba_type = mamba_spec.mamba_type.name
+    model = mamba_conv.state_model_of(vllm_config.model_config.hf_text_config, mamba_type)
+    if model is None:
+        raise UnsupportedModelError(
+            f"NixlHMAConnector moves Mamba2 and GatedDeltaNet state; {arch} has "
+            f"{mamba_type} layers, whose state it does not know how to split across TP ranks"
+        )
+    (conv_channels, conv_rows), ssm_shape = mamba_spec.shapes[0], mamba_spec.shapes[1]
+    try:
+        expected_channels = mamba_conv.conv_channel_ids(model, tp_size, tp_rank).size
+        expected_heads = mamba_conv.ssm_head_ids(model.state_heads, tp_size, tp_rank).size
+    except ValueError as e:
+        raise UnsupportedModelError(f"{arch} at TP {tp_size}: {e}") from e
+    if (expected_channels, expected_heads) != (conv_channels, ssm_shape[0]):
+        raise UnsupportedModelError(
+            f"{arch} at TP {tp_size}: its config gives {expected_channels} conv channels "
+            f"and {expected_heads} state heads per rank, vLLM's layer has {conv_channels} "
+            f"and {ssm_shape[0]} (state shapes {mamba_spec.shapes})"
+        )
+    conv_dtype_size = torch.empty(0, dtype=mamba_spec.dtypes[0]).element_size()
+    ssm_head_bytes = (
+        int(np.prod(ssm_shape[1:])) * torch.empty(0, dtype=mamba_spec.dtypes[1]).element_size()
+    )
+    regions = mamba_conv.conv_regions(model, conv_rows, conv_dtype_size, tp_size, tp_rank)
+    if len(regions) != UPSTREAM_CONV_PARTS:
+        raise UnsupportedModelError(f"{arch}: {len(regions)} conv parts, upstream reads 3")
+    return StateSplit(
+        model=model,
+        conv_rows=int(conv_rows),
+        conv_dtype_size=conv_dtype_size,
+        ssm_head_bytes=ssm_head_bytes,
+        ssm_sizes=(conv_channels * conv_rows * conv_dtype_size, ssm_shape[0] * ssm_head_bytes),
+        local_conv_offsets=[(r.page_offset_bytes, r.size_bytes) for r in regions.values()],
+    )
+
+
+def remote_page_reads(
+    split: StateSplit,
+    remote_tp_size: int,
+    remote_rank: int,
+    local_tp_size: int,
+    local_rank: int,
+    remote_conv_bytes_reported: int,
+) -> list[tuple[int, int]]:
+    """(offset, size) in bytes, inside one page of prefill rank ``remote_rank``,
+    of what decode rank ``local_rank`` reads from it: the conv parts in part
+    order, then the SSM state; one read each, as vLLM's local descriptors (each
+    local part split evenly among the prefill ranks read) expect.
+
+    ``remote_conv_bytes_reported`` is prefill's ``ssm_sizes[0]``; a value
+    other than the model's conv state at prefill's TP size raises
+    ``IncompatibleRemoteError``, as do TP sizes that split a replicated
+    group's B/C unevenly.
+    """
+    remote_conv_bytes = sum(
+        region.size_bytes
+        for region in mamba_conv.conv_regions(
+            split.model, split.conv_rows, split.conv_dtype_size, remote_tp_size, remote_rank
+        ).values()
+    )
+    if int(remote_conv_bytes_reported) != remote_conv_bytes:
+        raise IncompatibleRemoteError(
+            "ssm_sizes[0] (conv state bytes per block of the prefill rank)",
+            remote_conv_bytes,
+            int(remote_conv_bytes_reported),
+            "prefill's conv state is not the one this model has at its TP size; "
+            "both engines must serve the same model",
+        )
+    shape = (split.model, split.conv_rows, split.conv_dtype_size)
+    conv_plan = mamba_conv.conv_read_plan(*shape, remote_tp_size, local_tp_size, local_rank)
+    if not mamba_conv.respects_vllm_local_splits(
+        conv_plan, *shape, remote_tp_size, local_tp_size, local_rank
+    ):
+        raise IncompatibleRemoteError(
+            "tensor_parallel_size",
+            local_tp_size,
+            remote_tp_size,
+            "the replicated Mamba2 group's B/C conv state cannot be split evenly "
+            "across the prefill ranks this decode rank reads; use TP sizes whose "
+            "ratio divides d_state * (conv_kernel - 1) * dtype size",
+        )
+    ssm_plan = mamba_conv.ssm_read_plan(
+        split.model.state_heads, split.ssm_head_bytes, remote_tp_size, local_tp_size, local_rank
+    )
+    conv_reads = [read for read in conv_plan if read.p_rank == remote_rank]
+    ssm_reads = [read for read in ssm_plan if read.p_rank == remote_rank]
+    if len(conv_reads) != UPSTREAM_CONV_PARTS or len(ssm_reads) != 1:
+        raise RuntimeError(
+            f"decode rank {local_rank} of TP {local_tp_size} reads no state "
+            f"from prefill rank {remote_rank} of TP {remote_tp_size}"
+        )
+    reads = [(read.remote_offset_bytes, read.size_bytes) for read in conv_reads]
+    reads.append((remote_conv_bytes + ssm_reads[0].remote_offset_bytes, ssm_reads[0].size_bytes))
+    return reads

@@ -2,7 +2,9 @@
 
 Importing the package is cheap: the connector classes (and with them vLLM,
 torch and NIXL) load on first attribute access, because the plugin entry
-point imports this package in every vLLM process, used or not.
+point imports this package in every vLLM process, used or not. They come
+from the glue of the installed vLLM (``_compat.adapter``), so
+``"kv_connector_module_path": "vllm_nixl_hma"`` works on either release.
 """
 
 from __future__ import annotations
@@ -17,18 +19,27 @@ if TYPE_CHECKING:
     from vllm_nixl_hma.connector import NixlHMAConnector
     from vllm_nixl_hma.worker import NixlHMAConnectorWorker
 
+#: name -> its module, per glue (``_compat.adapter``)
 _LAZY_EXPORTS = {
-    "NixlHMAConnector": "vllm_nixl_hma.connector",
-    "NixlHMAConnectorWorker": "vllm_nixl_hma.worker",
+    "v021": {
+        "NixlHMAConnector": "vllm_nixl_hma.connector",
+        "NixlHMAConnectorWorker": "vllm_nixl_hma.worker",
+    },
+    "v033": {
+        "NixlHMAConnector": "vllm_nixl_hma.v033.connector",
+        "NixlHMAConnectorWorker": "vllm_nixl_hma.v033.worker",
+    },
 }
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _LAZY_EXPORTS.get(name)
-    if module_name is None:
+    if name not in __all__ or name == "__version__":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
+    from vllm_nixl_hma import _compat
+
+    module_name = _LAZY_EXPORTS[_compat.adapter()][name]
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value
     return value

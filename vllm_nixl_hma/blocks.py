@@ -251,7 +251,9 @@ def check_alignable(
             remote_physical_per_logical,
             "prefix caching is on, and with unequal kernel-per-logical ratios "
             "kernel blocks cannot be aligned after a prefix-cache hit; restart "
-            "both engines with --no-enable-prefix-caching",
+            "both engines with --no-enable-prefix-caching, or give them equal "
+            "ratios (the same tensor-parallel size and --block-size), which keep "
+            "prefix caching",
         )
     if GroupKind.SLIDING_WINDOW in group_kinds:
         raise IncompatibleRemoteError(

@@ -10,18 +10,24 @@ from typing import Any
 
 from vllm_nixl_hma import blocks
 
-__all__ = ["group_kinds_of"]
+__all__ = ["group_kinds", "group_kinds_of"]
 
 
 def group_kinds_of(kv_cache_config: Any) -> tuple[blocks.GroupKind, ...]:
     """The ``blocks.GroupKind`` of every KV cache group, in group order."""
+    return group_kinds(kv_cache_config.kv_cache_groups)
+
+
+def group_kinds(groups: Any) -> tuple[blocks.GroupKind, ...]:
+    """The ``blocks.GroupKind`` of each of ``groups`` (``KVCacheGroupSpec``s;
+    vLLM 0.33 moves blocks per ``kv_cache_config.transfer_groups``)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import (
         get_representative_spec_type,
     )
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     kinds = []
-    for group in kv_cache_config.kv_cache_groups:
+    for group in groups:
         spec_type = get_representative_spec_type(group.kv_cache_spec)
         if issubclass(spec_type, MambaSpec):
             kinds.append(blocks.GroupKind.MAMBA)

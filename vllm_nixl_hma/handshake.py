@@ -15,6 +15,10 @@ metadata implies (``record_for_stock_peer``). Every refusal is a
 vLLM's own compatibility-hash check comes first and keeps vLLM's message
 (``CompatibilityHashMismatch``).
 
+On vLLM 0.33 decode checks prefill's agent metadata itself, which carries
+enough there (``AgentFacts``, ``refuse_before_loading``), before the agent is
+loaded; no record travels.
+
 Version history (``RECORD_VERSION``):
   1: groups (kind, kernel-per-logical ratio), kernel and logical block tokens,
      regions (is each registered region Mamba state), KV layout, dtypes, conv
@@ -24,6 +28,7 @@ Version history (``RECORD_VERSION``):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,6 +38,7 @@ from vllm_nixl_hma.errors import IncompatibleRemoteError
 
 __all__ = [
     "PAYLOAD_FIELD",
+    "AgentFacts",
     "PROTOCOL",
     "RECORD_VERSION",
     "CompatibilityHashMismatch",
@@ -44,6 +50,7 @@ __all__ = [
     "encode_record",
     "parse_payload",
     "record_for_stock_peer",
+    "refuse_before_loading",
     "validate_remote",
 ]
 
@@ -388,3 +395,61 @@ def check_agent_metadata(
         for v in ssm_sizes
     ):
         raise _malformed("ssm_sizes", list(ssm_sizes), "expected two sizes in bytes")
+
+
+@dataclass(frozen=True)
+class AgentFacts:
+    """What decode checks about a vLLM 0.33 prefill rank before loading its
+    agent, all from vLLM's own agent metadata (``NixlAgentMetadata``) or, for
+    the local side, the worker. vLLM 0.33's metadata carries the layout, the
+    regions and the state sizes itself; dtypes, model and cache dtype are
+    covered by vLLM's compatibility hash, checked before this."""
+
+    kv_cache_layout: str
+    num_regions: int
+    physical_per_logical: int
+    #: (conv state, SSM state) bytes per block of that rank; None: no Mamba state
+    ssm_sizes: tuple[int, int] | None
+
+
+def refuse_before_loading(
+    local: AgentFacts,
+    remote: AgentFacts,
+    group_kinds: Sequence[GroupKind],
+    *,
+    local_prefix_caching: bool,
+    layout_conversion: bool = False,
+) -> None:
+    """Raise a HandshakeError naming the first field decode cannot read
+    prefill with; ``remote.ssm_sizes`` must equal ``local.ssm_sizes``, which
+    the caller sets to what this model's state is at prefill's TP size.
+    ``layout_conversion``: vLLM converts the remote layout on receive (its
+    ``enable_permute_local_kv``), so a different layout is accepted."""
+    if remote.kv_cache_layout != local.kv_cache_layout and not layout_conversion:
+        raise HandshakeError(
+            "kv_cache_layout",
+            local.kv_cache_layout,
+            remote.kv_cache_layout,
+            "set the same VLLM_KV_CACHE_LAYOUT on both engines (NIXL asks for LBHNC)",
+        )
+    if remote.num_regions != local.num_regions:
+        raise HandshakeError(
+            "kv_caches_base_addr (registered KV regions)",
+            local.num_regions,
+            remote.num_regions,
+            "the engines hold different numbers of KV cache layers; serve the same model on both",
+        )
+    if remote.ssm_sizes != local.ssm_sizes:
+        raise HandshakeError(
+            "ssm_sizes (conv and SSM state bytes per block at prefill's TP size)",
+            local.ssm_sizes,
+            remote.ssm_sizes,
+            "prefill's Mamba state has another shape or dtype than this model has "
+            "there; serve the same model with the same --mamba-ssm-cache-dtype on both",
+        )
+    check_alignable(
+        group_kinds,
+        local.physical_per_logical,
+        remote.physical_per_logical,
+        local_prefix_caching=local_prefix_caching,
+    )

@@ -17,7 +17,13 @@ import numpy as np
 from vllm_nixl_hma import mamba_conv
 from vllm_nixl_hma.errors import IncompatibleRemoteError, UnsupportedModelError
 
-__all__ = ["UPSTREAM_CONV_PARTS", "StateSplit", "derive_state_split", "remote_page_reads"]
+__all__ = [
+    "UPSTREAM_CONV_PARTS",
+    "StateSplit",
+    "derive_state_split",
+    "remote_page_reads",
+    "state_sizes",
+]
 
 #: upstream's descriptor ids give each Mamba layer 4 regions: 3 conv parts + SSM
 UPSTREAM_CONV_PARTS = 3
@@ -87,6 +93,20 @@ def derive_state_split(vllm_config: Any, mamba_spec: Any, tp_size: int, tp_rank:
     )
 
 
+def state_sizes(split: StateSplit, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(conv state, SSM state) bytes per block of rank ``tp_rank`` of an engine
+    of TP ``tp_size`` serving ``split``'s model: what that rank reports as
+    vLLM's ``ssm_sizes``."""
+    conv_bytes = sum(
+        region.size_bytes
+        for region in mamba_conv.conv_regions(
+            split.model, split.conv_rows, split.conv_dtype_size, tp_size, tp_rank
+        ).values()
+    )
+    heads = mamba_conv.ssm_head_ids(split.model.state_heads, tp_size, tp_rank).size
+    return conv_bytes, int(heads) * split.ssm_head_bytes
+
+
 def remote_page_reads(
     split: StateSplit,
     remote_tp_size: int,
@@ -105,12 +125,7 @@ def remote_page_reads(
     ``IncompatibleRemoteError``, as do TP sizes that split a replicated
     group's B/C unevenly.
     """
-    remote_conv_bytes = sum(
-        region.size_bytes
-        for region in mamba_conv.conv_regions(
-            split.model, split.conv_rows, split.conv_dtype_size, remote_tp_size, remote_rank
-        ).values()
-    )
+    remote_conv_bytes, _ = state_sizes(split, remote_tp_size, remote_rank)
     if int(remote_conv_bytes_reported) != remote_conv_bytes:
         raise IncompatibleRemoteError(
             "ssm_sizes[0] (conv state bytes per block of the prefill rank)",

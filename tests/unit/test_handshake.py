@@ -6,6 +6,8 @@ import msgspec
 import pytest
 
 from vllm_nixl_hma import handshake
+from vllm_nixl_hma.blocks import GroupKind
+from vllm_nixl_hma.errors import IncompatibleRemoteError
 from vllm_nixl_hma.handshake import GroupRecord, HandshakeError, MalformedHandshakeError
 
 RATIO = 5
@@ -215,3 +217,81 @@ def test_bad_agent_metadata_is_refused_naming_the_field(override, field):
     with pytest.raises(MalformedHandshakeError) as info:
         handshake.check_agent_metadata(record(), **agent(**override))
     assert info.value.field == field
+
+
+# ---------------------------------------------------- vLLM 0.33: before loading
+
+HYBRID = [GroupKind.MAMBA, GroupKind.FULL_ATTENTION]
+
+
+def facts(**overrides) -> handshake.AgentFacts:
+    fields = {
+        "kv_cache_layout": "LBHNC",
+        "num_regions": 4,
+        "physical_per_logical": 9,
+        "ssm_sizes": (1920, 8192),
+    }
+    fields.update(overrides)
+    return handshake.AgentFacts(**fields)
+
+
+def test_a_peer_decode_can_read_passes_before_loading():
+    handshake.refuse_before_loading(facts(), facts(), HYBRID, local_prefix_caching=False)
+    # unequal ratios pair leading blocks when neither prefix caching nor a window is involved
+    handshake.refuse_before_loading(
+        facts(), facts(physical_per_logical=5), HYBRID, local_prefix_caching=False
+    )
+    # equal ratios keep prefix caching
+    handshake.refuse_before_loading(facts(), facts(), HYBRID, local_prefix_caching=True)
+
+
+@pytest.mark.parametrize(
+    ("remote", "field", "local_value", "remote_value"),
+    [
+        ({"kv_cache_layout": "LBNHC"}, "kv_cache_layout", "'LBHNC'", "'LBNHC'"),
+        ({"num_regions": 3}, "kv_caches_base_addr (registered KV regions)", "4", "3"),
+        ({"ssm_sizes": (1920, 4096)}, "ssm_sizes", "(1920, 8192)", "(1920, 4096)"),
+    ],
+)
+def test_each_mismatch_before_loading_names_field_local_and_remote(
+    remote, field, local_value, remote_value
+):
+    with pytest.raises(HandshakeError) as info:
+        handshake.refuse_before_loading(
+            facts(), facts(**remote), HYBRID, local_prefix_caching=False
+        )
+    message = str(info.value)
+    assert message.startswith(field)
+    assert f"local={local_value}" in message and f"remote={remote_value}" in message
+
+
+def test_a_layout_vllm_converts_on_receive_is_accepted():
+    handshake.refuse_before_loading(
+        facts(kv_cache_layout="LBNHC"),
+        facts(),
+        HYBRID,
+        local_prefix_caching=False,
+        layout_conversion=True,
+    )
+
+
+def test_prefix_caching_across_unequal_ratios_is_refused_saying_what_to_change():
+    with pytest.raises(IncompatibleRemoteError) as info:
+        handshake.refuse_before_loading(
+            facts(), facts(physical_per_logical=5), HYBRID, local_prefix_caching=True
+        )
+    message = str(info.value)
+    assert "physical_blocks_per_logical_kv_block" in message
+    assert "local=9" in message and "remote=5" in message
+    assert "--no-enable-prefix-caching" in message and "equal ratios" in message
+
+
+def test_a_sliding_window_group_across_unequal_ratios_is_refused():
+    kinds = [GroupKind.SLIDING_WINDOW, GroupKind.FULL_ATTENTION]
+    with pytest.raises(IncompatibleRemoteError, match="sliding-window"):
+        handshake.refuse_before_loading(
+            facts(ssm_sizes=None, physical_per_logical=2),
+            facts(ssm_sizes=None, physical_per_logical=1),
+            kinds,
+            local_prefix_caching=False,
+        )

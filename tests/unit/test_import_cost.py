@@ -30,8 +30,12 @@ def test_package_plugin_and_pure_modules_import_neither_vllm_nor_torch():
 
 
 def test_lazy_exports_resolve_to_the_connector_classes():
+    """Of the installed vLLM's glue (run on vLLM 0.21 and 0.33)."""
     import vllm_nixl_hma
+    from vllm_nixl_hma import _compat, plugin
 
     assert vllm_nixl_hma.NixlHMAConnector.__name__ == "NixlHMAConnector"
+    assert vllm_nixl_hma.NixlHMAConnector.__module__ == plugin.connector_module()
+    assert (_compat.adapter() == "v033") == (".v033." in vllm_nixl_hma.NixlHMAConnector.__module__)
     assert vllm_nixl_hma.NixlHMAConnectorWorker.__name__ == "NixlHMAConnectorWorker"
     assert set(vllm_nixl_hma.__all__) <= set(dir(vllm_nixl_hma))

@@ -50,6 +50,11 @@ class Scenario:
     dead_side_channel: bool = False
     #: fault injection: prefill is killed this long after decode posted its reads
     kill_prefill_after_s: float | None = None
+    #: fault injection: the first request's first attention group is sent to
+    #: decode with only the first of prefill's block ids (the request spans
+    #: three or more), a list no rounding explains: it must fail alone, the
+    #: others arrive intact
+    unpairable_first_request: bool = False
 
     def prompt_tokens(self, prefill_block_tokens: int, decode_block_tokens: int) -> list[int]:
         larger = max(prefill_block_tokens, decode_block_tokens)
@@ -92,6 +97,11 @@ class Cell:
     expire_lease: bool = False
     # prefill loses decode's notifications and frees blocks on its lease
     lose_notifications: bool = False
+    # both engines run with --enable-prefix-caching
+    prefix_caching: bool = False
+    # --block-size of each engine (None: the attention backend's choice)
+    prefill_block_size: int | None = None
+    decode_block_size: int | None = None
     # after the scenario decode must hold no agent or descriptor list of the
     # prefill engine (it was refused, unreachable or died): any left is leaked
     remote_agents_must_be_gone: bool = False
@@ -118,6 +128,8 @@ class ScenarioResult:
     silently_wrong_slots: int = 0
     leaked_handles: int = 0
     prefill_released_by_expiry: int = 0
+    # vLLM 0.33: prefill engines decode's transfer topology knows after the scenario
+    remote_engines_registered: int = 0
 
     @property
     def ok(self) -> bool:
@@ -131,6 +143,7 @@ class ScenarioResult:
             "silently_wrong_slots",
             "leaked_handles",
             "prefill_released_by_expiry",
+            "remote_engines_registered",
         ):
             row.pop(internal)
         return row
@@ -305,7 +318,7 @@ def run_cell(
     results = [ScenarioResult(s.name, cell.p_tp, cell.d_tp, cell.layout) for s in cell.scenarios]
     side_channel_port = free_port()
     specs = {}
-    for role, ranks, engine_id, dist_port, connector, model_dir in (
+    for role, ranks, engine_id, dist_port, connector, model_dir, block_size in (
         (
             "prefill",
             p_ranks,
@@ -313,6 +326,7 @@ def run_cell(
             free_port(),
             cell.prefill_connector or cell.connector,
             cell.prefill_model_dir or cell.model_dir,
+            cell.prefill_block_size,
         ),
         (
             "decode",
@@ -321,6 +335,7 @@ def run_cell(
             free_port(),
             cell.connector,
             cell.model_dir,
+            cell.decode_block_size,
         ),
     ):
         for tp_rank, index in enumerate(ranks):
@@ -338,6 +353,8 @@ def run_cell(
                     "num_gpu_blocks": cell.num_gpu_blocks,
                     "max_model_len": cell.max_model_len,
                     "device": cell.device,
+                    "enable_prefix_caching": cell.prefix_caching,
+                    "block_size": block_size,
                 },
             )
     try:
@@ -420,6 +437,9 @@ def _run_scenario(
 
     lease_s = SHORT_LEASE_S if cell.expire_lease else LEASE_S
     lease_deadline = lease.lease_deadline(time.time(), lease_s)
+    # vLLM 0.33: the same deadline on prefill's perf_counter clock (one host:
+    # the coordinator's), as our prefill glue exports it
+    lease_expiry_perf = time.perf_counter() + lease_s
     if cell.expire_lease:
         # prefill's lease runs out, it frees the blocks and reuses them for
         # other requests, and only then does decode read
@@ -457,10 +477,18 @@ def _run_scenario(
                 "tp_size": cell.p_tp,
                 # as NixlHMAConnector.request_finished_all_groups adds on prefill
                 lease.PARAM: lease_deadline,
+                "remote_blocks_expiry_time": lease_expiry_perf,
             },
         }
         for rid, p, d in zip(request_ids, p_blocks, d_blocks, strict=True)
     ]
+    if scenario.unpairable_first_request:
+        params = load_requests[0]["kv_transfer_params"]
+        attention = p_info["group_kinds"].index(
+            next(kind for kind in p_info["group_kinds"] if kind != "mamba")
+        )
+        params["remote_block_ids"] = [list(ids) for ids in params["remote_block_ids"]]
+        params["remote_block_ids"][attention] = params["remote_block_ids"][attention][:1]
     serving = [] if cell.expire_lease else p_ranks
     serve_args: dict[str, Any] = {"request_ids": request_ids, "timeout_s": TRANSFER_TIMEOUT_S}
     if cell.lose_notifications:
@@ -490,8 +518,10 @@ def _run_scenario(
     if load_error is not None:
         result.error = _first_line(load_error)
         return
-    not_done = {rid for load in loads.values() for rid in set(request_ids) - set(load["done"])}
     failed = {rid for load in loads.values() for rid in load["failed"]}
+    not_done = {
+        rid for load in loads.values() for rid in set(request_ids) - set(load["done"])
+    } - failed
     # A request counts as failed for vLLM only if every block of it was
     # reported invalid: that is what makes the scheduler fail or recompute it.
     invalid = {b for load in loads.values() for b in load["invalid_block_ids"]}
@@ -500,7 +530,12 @@ def _run_scenario(
         for rid, blocks in zip(request_ids, d_blocks, strict=True)
         if {b for group in blocks.logical_ids_by_group for b in group} <= invalid
     }
+    # vLLM 0.33 reports failed requests as such (failed_recving)
+    reported_failed |= {rid for load in loads.values() for rid in load.get("failed_reported", [])}
     result.requests_failed = len(reported_failed)
+    result.remote_engines_registered = max(
+        (load.get("remote_engines_registered", 0) for load in loads.values()), default=0
+    )
     failed |= reported_failed  # a failed transfer ends as "received" upstream
 
     if not_done:

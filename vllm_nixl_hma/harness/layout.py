@@ -122,6 +122,7 @@ def build_vllm_config(
     enable_prefix_caching: bool = False,
     trust_remote_code: bool | None = None,
     device: str = "cpu",
+    block_size: int | None = None,
 ) -> VllmConfig:
     """A ``VllmConfig`` for one engine of TP ``tp_size``, with the block sizes a GPU worker sets.
 
@@ -160,6 +161,8 @@ def build_vllm_config(
         cache_config=CacheConfig(
             num_gpu_blocks_override=num_gpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            # None: the backend's choice; a number: --block-size
+            **({"block_size": block_size} if block_size is not None else {}),
         ),
         device_config=DeviceConfig(device),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),

@@ -43,6 +43,8 @@ class EngineSpec:
     num_gpu_blocks: int
     max_model_len: int
     device: str = "cpu"
+    enable_prefix_caching: bool = False
+    block_size: int | None = None  # --block-size
 
 
 class RankEngine:
@@ -67,6 +69,8 @@ class RankEngine:
             spec.num_gpu_blocks,
             spec.max_model_len,
             device=spec.device,
+            enable_prefix_caching=spec.enable_prefix_caching,
+            block_size=spec.block_size,
         )
         if spec.device == "cuda":
             import torch
@@ -467,7 +471,17 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
         "pending_transfers": sum(len(h) for h in worker._recving_transfers.values()),
         "remote_agents": sum(len(agents) for agents in worker._remote_agents.values()),
         "remote_dlists": sum(len(h) for h in worker.dst_xfer_side_handles.values()),
+        # vLLM 0.33 reports failed requests to its scheduler itself
+        "failed_reported": sorted(failed) if V033 else [],
+        "remote_engines_registered": _remote_engines_registered(worker) if V033 else 0,
     }
+
+
+def _remote_engines_registered(worker) -> int:
+    """vLLM 0.33: remote engines the worker's transfer topology has registered
+    (upstream registers one before it loads that engine's agent)."""
+    engines = getattr(worker.transfer_topo, "_engines", {})
+    return len({key[0] for key in engines if key[0] != worker.engine_id})
 
 
 def _summary(error: Exception) -> str:

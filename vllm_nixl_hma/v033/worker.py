@@ -8,8 +8,28 @@ remove it):
   upstream's ``MambaConvSplitInfo`` and refuses to start when the two
   disagree on where the local conv parts lie, since upstream's local
   descriptors come from its own.
-* ``add_remote_agent``: records which prefill rank is being added, which
+* ``add_remote_agent``: refuses a prefill rank decode cannot read before
+  anything of it is registered or loaded (``handshake.refuse_before_loading``:
+  layout, regions, Mamba state sizes, unequal kernel-per-logical ratios with
+  prefix caching or sliding-window groups; each error names the field, the
+  local and the remote value). Upstream loads the agent first and then
+  checks, with asserts, and never compares state sizes or refuses a
+  sliding-window group. Also records which prefill rank is being added, which
   upstream does not pass on to ``_build_mamba_remote``.
+* ``_apply_prefix_caching``: a model without Mamba state read across unequal
+  ratios (engines started with different ``--block-size``) pairs leading
+  kernel blocks (``blocks.align_kernel_ids_by_group``); upstream pairs the
+  decode list with prefill's tail, which shifts every block by the rounding
+  surplus. Mamba hybrids keep upstream's rule (0.33 pairs them right).
+* ``_read_blocks``: block lists that cannot be paired fail that one request
+  (reported in ``failed_recving``) instead of raising out of
+  ``start_load_kv``: upstream's pairing asserts run before its ``try``.
+* ``_send_heartbeats``, ``_read_blocks_for_req``, ``_pop_done_transfers``:
+  the prefill lease (``lease``). Prefill's glue exports its deadline; decode
+  maps it onto its clock with upstream's handshake clock offset, extends it
+  from the heartbeats it posted, and fails a request whose read would start,
+  or did finish, within ``lease_margin_s`` of it. Upstream reads regardless
+  (prefill only logs a late read, after its blocks may have been reused).
 * ``_build_mamba_remote``: conv x/B/C and SSM offsets inside the prefill
   rank's page from ``mamba_conv``'s read plans. Upstream derives B and C as
   if SSM groups were always sharded, so a model with fewer groups than the
@@ -24,6 +44,9 @@ with our plans as well, which agree with upstream's for q/k/v).
 
 from __future__ import annotations
 
+import functools
+import time
+
 import numpy as np
 
 from vllm_nixl_hma._compat import require_adapter
@@ -31,6 +54,7 @@ from vllm_nixl_hma._compat import require_adapter
 require_adapter("v033", "vllm_nixl_hma.v033.worker")
 
 from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
+    BlockIds,
     EngineTransferInfo,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
@@ -39,17 +63,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # noqa: E402
     NixlPullConnectorWorker,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # noqa: E402
+    ReadSpec,
+)
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec  # noqa: E402
 
-from vllm_nixl_hma.errors import UnsupportedModelError  # noqa: E402
+from vllm_nixl_hma import blocks, handshake, lease  # noqa: E402
+from vllm_nixl_hma.errors import BlockAlignmentError, UnsupportedModelError  # noqa: E402
+from vllm_nixl_hma.groups import group_kinds  # noqa: E402
 from vllm_nixl_hma.state_split import (  # noqa: E402
     StateSplit,
     derive_state_split,
     remote_page_reads,
+    state_sizes,
 )
 
-__all__ = ["NixlHMAConnectorWorker"]
+__all__ = ["LEASE_EXTENSIONS_ATTR", "NixlHMAConnectorWorker"]
+
+#: attribute of NixlConnectorMetadata: {remote request id: lease extension, s} (connector.py)
+LEASE_EXTENSIONS_ATTR = "vllm_nixl_hma_lease_extensions"
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -71,6 +104,11 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         """
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._remote_tp_rank_being_added: int | None = None
+        # (remote engine, remote request id) -> when this worker last posted a heartbeat
+        self._heartbeats_posted: dict[tuple[str, str], float] = {}
+        self._lease_margin_s = float(
+            self.kv_transfer_config.get_from_extra_config("lease_margin_s", lease.DEFAULT_MARGIN_S)
+        )
         self._split: StateSplit | None = None
         if not self._has_mamba:
             return
@@ -97,14 +135,22 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         remote_tp_size: int = 1,
         remote_dcp_size: int = 1,
     ) -> str:
-        """vLLM 0.33.0 ``add_remote_agent``, remembering the remote rank.
+        """vLLM 0.33.0 ``add_remote_agent``, after our checks, remembering the remote rank.
 
-        Why: which bytes of a prefill page this decode rank reads depends on
-        the prefill rank when SSM groups are replicated, and upstream does not
-        pass the rank to ``_build_mamba_remote``. What changes: nothing but
-        ``_remote_tp_rank_being_added`` while upstream's method runs. Remove
-        when: upstream passes the rank.
+        Why: upstream registers the remote engine and loads its agent before
+        ``_validate_remote_agent_handshake`` (asserts) runs, never compares
+        the Mamba state sizes, and refuses neither sliding-window groups nor
+        prefix caching of a model without Mamba state across unequal ratios;
+        and which bytes of a prefill page this decode rank reads depends on
+        the prefill rank when SSM groups are replicated, which upstream does
+        not pass to ``_build_mamba_remote``. What changes: first
+        ``_refuse_before_loading`` (a ``HandshakeError`` fails the requests
+        waiting on this handshake, as any handshake failure does upstream),
+        then upstream's method with ``_remote_tp_rank_being_added`` set.
+        Remove when: upstream validates before loading and passes the rank.
         """
+        if (0, remote_tp_rank) not in self._remote_agents.get(nixl_agent_meta.engine_id, {}):
+            self._refuse_before_loading(nixl_agent_meta, remote_tp_rank, remote_tp_size)
         self._remote_tp_rank_being_added = remote_tp_rank
         try:
             return super().add_remote_agent(
@@ -112,6 +158,234 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
             )
         finally:
             self._remote_tp_rank_being_added = None
+
+    @functools.cached_property
+    def _group_kinds(self) -> tuple[blocks.GroupKind, ...]:
+        return group_kinds(self.kv_cache_config.transfer_groups)
+
+    def _refuse_before_loading(
+        self, nixl_agent_meta: NixlAgentMetadata, remote_tp_rank: int, remote_tp_size: int
+    ) -> None:
+        local_layout = (
+            self.host_buffer_kv_cache_layout if self.use_host_buffer else self.kv_cache_layout
+        )
+        # vLLM converts exactly this pair on receive when asked (not under HMA)
+        layout_conversion = self.use_mla or (
+            bool(self.kv_transfer_config.enable_permute_local_kv)
+            and nixl_agent_meta.kv_cache_layout == "LBHNC"
+            and local_layout == "LBNHC"
+            and not self._is_hma_required
+        )
+        remote_regions = len(nixl_agent_meta.kv_caches_base_addr)
+        local_regions = len(self.block_len_per_layer) if self.pp_size == 1 else remote_regions
+        expected_ssm_sizes = None
+        remote_ssm_sizes = None
+        if self._split is not None:
+            expected_ssm_sizes = state_sizes(self._split, remote_tp_size, remote_tp_rank)
+            remote_ssm_sizes = tuple(int(size) for size in nixl_agent_meta.ssm_sizes)
+        handshake.refuse_before_loading(
+            handshake.AgentFacts(
+                kv_cache_layout=str(local_layout),
+                num_regions=local_regions,
+                physical_per_logical=self._physical_blocks_per_logical_kv_block,
+                ssm_sizes=expected_ssm_sizes,
+            ),
+            handshake.AgentFacts(
+                kv_cache_layout=str(nixl_agent_meta.kv_cache_layout),
+                num_regions=remote_regions,
+                physical_per_logical=nixl_agent_meta.physical_blocks_per_logical_kv_block,
+                ssm_sizes=remote_ssm_sizes,
+            ),
+            self._group_kinds,
+            local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
+            layout_conversion=layout_conversion,
+        )
+
+    def _apply_prefix_caching(
+        self,
+        decode_block_ids: BlockIds,
+        prefill_block_ids: BlockIds,
+        decode_physical_per_logical: int,
+        prefill_physical_per_logical: int,
+    ) -> tuple[BlockIds, BlockIds]:
+        """vLLM 0.33.0 ``_apply_prefix_caching``, for models without Mamba state
+        read across unequal ratios.
+
+        Why: upstream trims prefill's kernel list to decode's length from the
+        tail; across unequal ratios the lists differ by rounding surplus at
+        the END, so every block pairs with the wrong one. What changes: for a
+        model without Mamba state and unequal ratios, leading blocks pair and
+        the surplus is dropped (``blocks.align_kernel_ids_by_group``; prefix
+        caching and sliding-window groups are refused at handshake in that
+        setup); every other case is upstream's. A ``BlockAlignmentError``
+        fails the request (``_read_blocks``). Remove when: upstream pairs
+        unequal ratios of dense models by position.
+        """
+        if self._has_mamba or decode_physical_per_logical == prefill_physical_per_logical:
+            return super()._apply_prefix_caching(
+                decode_block_ids=decode_block_ids,
+                prefill_block_ids=prefill_block_ids,
+                decode_physical_per_logical=decode_physical_per_logical,
+                prefill_physical_per_logical=prefill_physical_per_logical,
+            )
+        decode_aligned, prefill_aligned = blocks.align_kernel_ids_by_group(
+            decode_block_ids,
+            prefill_block_ids,
+            self._group_kinds,
+            local_physical_per_logical=decode_physical_per_logical,
+            remote_physical_per_logical=prefill_physical_per_logical,
+        )
+        return [ids.tolist() for ids in decode_aligned], [ids.tolist() for ids in prefill_aligned]
+
+    def _read_blocks(
+        self,
+        read_spec: ReadSpec,
+        dst_engine_id: str,
+        request_id: str,
+        remote_request_id: str,
+        local_xfer_side_handle: int,
+        local_dram_handle: int | None,
+        remote_xfer_side_handle: int,
+        expected_consumers: int,
+        awaiting_kvs: bool,
+    ) -> bool:
+        """vLLM 0.33.0 ``NixlPullConnectorWorker._read_blocks``, failing closed.
+
+        Why: upstream checks that the block lists pair (its own asserts, and
+        ``_apply_prefix_caching``'s) before its ``try``, so lists that do not
+        pair raise out of ``start_load_kv`` and take the engine down with
+        them. What changes: a ``BlockAlignmentError`` or an assertion raised
+        before a transfer was posted fails this request alone, as upstream
+        fails a transfer it could not set up (``_handle_failed_transfer``:
+        the request is reported in ``failed_recving``); nothing is read for
+        it in this call (reads already posted for it from other prefill ranks
+        finish first, as upstream lets them). Remove when: upstream's pairing
+        checks fail the request.
+        """
+        try:
+            return super()._read_blocks(
+                read_spec,
+                dst_engine_id,
+                request_id,
+                remote_request_id,
+                local_xfer_side_handle,
+                local_dram_handle,
+                remote_xfer_side_handle,
+                expected_consumers,
+                awaiting_kvs,
+            )
+        except (BlockAlignmentError, AssertionError) as e:
+            self._log_failure(
+                failure_type="unpairable_block_lists",
+                req_id=request_id,
+                msg="block lists of decode and prefill cannot be paired; nothing read",
+                error=e,
+                dst_engine_id=dst_engine_id,
+                remote_rank=read_spec.remote_rank,
+            )
+            self._handle_failed_transfer(request_id, None, self._recv_failures)
+            return False
+
+    # ----------------------------------------------------------- prefill lease
+
+    def _send_heartbeats(self, metadata) -> None:
+        """vLLM 0.33.0 ``_send_heartbeats``, noting when each was posted.
+
+        Why: a heartbeat extends prefill's lease, and decode's lease check
+        must know by when. What changes: before upstream posts the heartbeats
+        of engines it holds agents for, the time is noted per remote request.
+        Remove when: upstream's decode refuses reads past the lease.
+        """
+        now = time.perf_counter()
+        for engine_id, info in metadata.heartbeat_by_engine.items():
+            if self._remote_agents.get(engine_id):
+                for remote_request_id in info.req_ids:
+                    self._heartbeats_posted[(engine_id, remote_request_id)] = now
+        super()._send_heartbeats(metadata)
+
+    def _lease_end(self, meta) -> float | None:
+        """Prefill's lease end of a request on this worker's clock, or None."""
+        remote = meta.remote
+        if remote is None or remote.blocks_expiry_time is None:
+            return None
+        offset = self._engine_clock_offset.get(remote.engine_id)
+        if offset is None:  # no handshake yet: checked again once it is done
+            return None
+        extension = (self._recving_extra.get(remote.request_id) or {}).get(lease.EXTENSION_PARAM)
+        return lease.local_deadline(
+            remote.blocks_expiry_time,
+            offset,
+            self._heartbeats_posted.get((remote.engine_id, remote.request_id)),
+            extension,
+        )
+
+    @functools.cached_property
+    def _recving_extra(self) -> dict[str, dict]:
+        """remote request id -> our kv_transfer_params fields (``start_load_kv``)."""
+        return {}
+
+    def start_load_kv(self, metadata):
+        """vLLM 0.33.0 ``start_load_kv``, after noting the lease extension
+        prefill's glue sent. Upstream's ``ReqMeta`` keeps vLLM's fields only;
+        the extension travels as an attribute our connector sets on the
+        metadata (``LEASE_EXTENSIONS_ATTR``)."""
+        for remote_request_id, extension in getattr(metadata, LEASE_EXTENSIONS_ATTR, {}).items():
+            self._recving_extra[remote_request_id] = {lease.EXTENSION_PARAM: extension}
+        super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta):
+        """vLLM 0.33.0 ``_read_blocks_for_req``, unless prefill's lease ended.
+
+        Why: NIXL READ is one-sided; past the lease prefill may have given
+        the blocks to another request, and decode would decode on its KV.
+        What changes: a request with local blocks whose lease ends within
+        ``lease_margin_s`` fails (``failed_recving``; vLLM fails or
+        recomputes it) and nothing is read. Remove when: upstream's decode
+        refuses reads past the lease.
+        """
+        deadline = self._lease_end(meta)
+        if (
+            deadline is not None
+            and blocks.has_local_blocks(meta.local_block_ids)
+            and lease.expired(deadline, time.perf_counter(), self._lease_margin_s)
+        ):
+            logger.error(
+                "NixlHMAConnector: the prefill lease of request %s ended; its blocks may "
+                "hold another request's KV, so they are not read",
+                req_id,
+            )
+            self.xfer_stats.record_kv_expired_req()
+            self._handle_failed_transfer(
+                req_id, None, self._recv_failures, record_failed_transfer=False
+            )
+            self._forget_lease_of(meta)
+            return
+        super()._read_blocks_for_req(req_id, meta)
+
+    def _pop_done_transfers(self, transfers):
+        """vLLM 0.33.0 ``_pop_done_transfers``; a read that finished within
+        ``lease_margin_s`` of the lease's end counts as failed (its request's
+        metadata is still there at this point of ``get_transfer_results``)."""
+        done, failed = super()._pop_done_transfers(transfers)
+        now = time.perf_counter()
+        for request_id in done:
+            meta = self._recving_metadata.get(request_id)
+            deadline = self._lease_end(meta) if meta is not None else None
+            if deadline is not None and lease.expired(deadline, now, self._lease_margin_s):
+                logger.error(
+                    "NixlHMAConnector: the read of request %s finished after its prefill "
+                    "lease ended; its KV is not trusted",
+                    request_id,
+                )
+                failed.add(request_id)
+        for request_id in done | failed:
+            self._forget_lease_of(self._recving_metadata.get(request_id))
+        return done, failed
+
+    def _forget_lease_of(self, meta) -> None:
+        if meta is not None and meta.remote is not None:
+            self._heartbeats_posted.pop((meta.remote.engine_id, meta.remote.request_id), None)
+            self._recving_extra.pop(meta.remote.request_id, None)
 
     def _build_mamba_remote(
         self,

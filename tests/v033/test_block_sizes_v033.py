@@ -1,0 +1,85 @@
+"""Unequal kernel-per-logical ratios without Mamba state, on vLLM 0.33 (#13, item 3).
+
+Prefill and decode started with different ``--block-size`` (128 and 64: the
+attention kernel block is 64 on both, the ratio 2 on one side and 1 on the
+other), real NIXL, every slot checked:
+
+* dense, both directions: ours pairs leading kernel blocks and delivers every
+  slot; stock 0.33.0 pairs decode's list with prefill's tail, which at prefill
+  128 -> decode 64 puts KV into the wrong blocks and reports success, and at
+  64 -> 128 lets an assert escape ``start_load_kv``;
+* full + sliding window: a window clipped to whole logical blocks of
+  different sizes cannot be paired; ours refuses the prefill engine at the
+  handshake (every request fails, nothing wrong is delivered), stock
+  delivers wrong KV.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_nixl_hma.harness import coordinator
+from vllm_nixl_hma.harness.model_shapes import installed_layouts
+
+pytestmark = [pytest.mark.vllm033, pytest.mark.slow]
+
+CELLS = [("dense", 128, 64), ("dense", 64, 128), ("swa", 128, 64)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    root = tmp_path_factory.mktemp("models")
+    layouts = installed_layouts()
+    dirs = {name: coordinator.model_dir_for(layouts[name], root) for name in ("dense", "swa")}
+    scenarios = [coordinator.Scenario("mid-block"), coordinator.Scenario("boundary")]
+    pool = coordinator.RankPool(2)
+    try:
+        return {
+            (connector, layout, p_block, d_block): coordinator.run_cell(
+                pool,
+                coordinator.Cell(
+                    layout,
+                    dirs[layout],
+                    1,
+                    1,
+                    connector,
+                    scenarios,
+                    prefill_block_size=p_block,
+                    decode_block_size=d_block,
+                ),
+                progress=lambda line: None,
+            )
+            for connector in ("NixlHMAConnector", "NixlConnector")
+            for layout, p_block, d_block in CELLS
+        }
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(("p_block", "d_block"), [(128, 64), (64, 128)])
+def test_ours_pairs_a_dense_model_across_block_sizes(results, p_block, d_block):
+    for result in results[("NixlHMAConnector", "dense", p_block, d_block)]:
+        assert result.local_ratio != result.remote_ratio
+        assert result.error is None, result.error
+        assert result.slots_checked > 100_000
+        assert result.mismatched_slots == 0, result.examples
+
+
+def test_stock_033_misplaces_or_asserts_across_block_sizes(results):
+    for result in results[("NixlConnector", "dense", 128, 64)]:
+        assert result.error is None  # reported as delivered...
+        assert result.silently_wrong_slots > 0  # ...in the wrong blocks
+    for result in results[("NixlConnector", "dense", 64, 128)]:
+        assert result.error is not None and result.error.startswith("AssertionError")
+
+
+def test_ours_refuses_a_sliding_window_across_ratios_and_stock_misplaces_it(results):
+    for result in results[("NixlHMAConnector", "swa", 128, 64)]:
+        assert result.requests_failed == result.requests == 3
+        assert result.silently_wrong_slots == 0
+        assert result.remote_engines_registered == 0
+    stock = results[("NixlConnector", "swa", 128, 64)]
+    assert sum(result.silently_wrong_slots for result in stock) > 0

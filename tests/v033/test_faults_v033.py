@@ -1,0 +1,118 @@
+"""Failing closed on vLLM 0.33, on real engines' workers and real NIXL (#13, items 3 and 4).
+
+* Block lists that cannot be paired (the first request's attention list cut
+  to one block, a list no rounding explains): ours fails that request alone,
+  reported in ``failed_recving``, and the next batch arrives intact; stock
+  0.33.0's pairing asserts escape ``start_load_kv`` (in an engine: the engine
+  dies), and its next batch lands in pages of no request.
+* Prefix caching with unequal kernel-per-logical ratios (a Mamba hybrid at
+  prefill TP 2 -> decode TP 1): ours refuses at the handshake before the
+  prefill engine is even registered; stock refuses too, but only after it
+  registered the engine and loaded its agent. At equal TP prefix caching
+  stays on and every slot arrives.
+* Prefill's lease runs out and prefill reuses the blocks before decode reads
+  (prefill TP 1 -> decode TP 1): ours fails every request, nothing wrong is
+  delivered; stock 0.33.0 reads the reused blocks and reports success.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_nixl_hma.harness import coordinator
+from vllm_nixl_hma.harness.model_shapes import installed_layouts
+
+pytestmark = [pytest.mark.vllm033, pytest.mark.slow]
+
+Scenario = coordinator.Scenario
+UNPAIRABLE = [("hybrid", 2, 1), ("dense", 1, 1)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    root = tmp_path_factory.mktemp("models")
+    layouts = installed_layouts()
+    dirs = {name: coordinator.model_dir_for(layouts[name], root) for name in ("hybrid", "dense")}
+    cells = {}
+    for connector in ("NixlHMAConnector", "NixlConnector"):
+        for layout, p_tp, d_tp in UNPAIRABLE:
+            cells[(connector, "unpairable", layout)] = coordinator.Cell(
+                layout,
+                dirs[layout],
+                p_tp,
+                d_tp,
+                connector,
+                [Scenario("mid-block", unpairable_first_request=True), Scenario("boundary")],
+            )
+        cells[(connector, "expired-lease", "1->1")] = coordinator.Cell(
+            "hybrid", dirs["hybrid"], 1, 1, connector, [Scenario("mid-block")], expire_lease=True
+        )
+        cells[(connector, "prefix-caching", "2->1")] = coordinator.Cell(
+            "hybrid", dirs["hybrid"], 2, 1, connector, [Scenario("mid-block")], prefix_caching=True
+        )
+    cells[("NixlHMAConnector", "prefix-caching", "1->1")] = coordinator.Cell(
+        "hybrid",
+        dirs["hybrid"],
+        1,
+        1,
+        "NixlHMAConnector",
+        [Scenario("mid-block")],
+        prefix_caching=True,
+    )
+    pool = coordinator.RankPool(3)
+    try:
+        return {
+            key: coordinator.run_cell(pool, cell, progress=lambda line: None)
+            for key, cell in cells.items()
+        }
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("layout", [layout for layout, _, _ in UNPAIRABLE])
+def test_ours_fails_the_unpairable_request_alone(results, layout):
+    faulty, next_batch = results[("NixlHMAConnector", "unpairable", layout)]
+    assert faulty.error == "1 request(s) reported failed by the connector"
+    assert faulty.requests_failed == 1
+    assert faulty.slots_checked > 100_000
+    assert faulty.silently_wrong_slots == 0  # the other two arrived intact
+    assert all(line.startswith("req 0 ") for line in faulty.examples)  # only its slots are empty
+    assert faulty.leaked_handles == 0
+    assert next_batch.error is None and next_batch.mismatched_slots == 0
+    assert next_batch.slots_checked > 100_000
+
+
+@pytest.mark.parametrize("layout", [layout for layout, _, _ in UNPAIRABLE])
+def test_stock_033_lets_the_pairing_assert_escape(results, layout):
+    faulty, _ = results[("NixlConnector", "unpairable", layout)]
+    assert faulty.error is not None and faulty.error.startswith("AssertionError")
+    assert faulty.slots_checked == 0  # the load command itself raised
+
+
+def test_ours_refuses_prefix_caching_across_ratios_before_registering(results):
+    (ours,) = results[("NixlHMAConnector", "prefix-caching", "2->1")]
+    assert ours.local_ratio != ours.remote_ratio
+    assert ours.requests_failed == 3 and ours.silently_wrong_slots == 0
+    assert ours.remote_engines_registered == 0
+    (stock,) = results[("NixlConnector", "prefix-caching", "2->1")]
+    assert stock.requests_failed == 3
+    assert stock.remote_engines_registered == 1  # registered and loaded, then refused
+
+
+def test_ours_keeps_prefix_caching_at_equal_ratios(results):
+    (ours,) = results[("NixlHMAConnector", "prefix-caching", "1->1")]
+    assert ours.local_ratio == ours.remote_ratio
+    assert ours.error is None and ours.mismatched_slots == 0
+    assert ours.slots_checked > 100_000
+
+
+def test_ours_refuses_to_read_past_prefills_lease_and_stock_reads_reused_blocks(results):
+    (ours,) = results[("NixlHMAConnector", "expired-lease", "1->1")]
+    assert ours.requests_failed == ours.requests == 3
+    assert ours.silently_wrong_slots == 0
+    (stock,) = results[("NixlConnector", "expired-lease", "1->1")]
+    assert stock.error is None  # reported as delivered...
+    assert stock.silently_wrong_slots > 0  # ...with another request's KV

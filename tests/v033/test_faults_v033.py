@@ -116,3 +116,16 @@ def test_ours_refuses_to_read_past_prefills_lease_and_stock_reads_reused_blocks(
     (stock,) = results[("NixlConnector", "expired-lease", "1->1")]
     assert stock.error is None  # reported as delivered...
     assert stock.silently_wrong_slots > 0  # ...with another request's KV
+
+
+def test_every_fault_of_the_check_is_handled_on_033(tmp_path):
+    """``vllm-nixl-hma check --faults``'s list on vLLM 0.33, for ours: every
+    request fails or is served intact, nothing wrong is delivered, nothing
+    leaks (as judged for 0.33: ``faults.for_installed_vllm``)."""
+    from vllm_nixl_hma.harness import faults
+
+    results = faults.run_faults(faults.FAULTS, "NixlHMAConnector", tmp_path, lambda line: None)
+    assert [r.name for r in results] == [f.name for f in faults.FAULTS]
+    for result in results:
+        assert result.ok, result
+        assert result.silently_wrong_slots == 0

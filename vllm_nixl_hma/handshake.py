@@ -425,28 +425,30 @@ def refuse_before_loading(
     the caller sets to what this model's state is at prefill's TP size.
     ``layout_conversion``: vLLM converts the remote layout on receive (its
     ``enable_permute_local_kv``), so a different layout is accepted."""
-    if remote.kv_cache_layout != local.kv_cache_layout and not layout_conversion:
-        raise HandshakeError(
+    for field, local_value, remote_value, remedy in (
+        (
             "kv_cache_layout",
             local.kv_cache_layout,
-            remote.kv_cache_layout,
+            # a layout vLLM converts on receive counts as the same
+            local.kv_cache_layout if layout_conversion else remote.kv_cache_layout,
             "set the same VLLM_KV_CACHE_LAYOUT on both engines (NIXL asks for LBHNC)",
-        )
-    if remote.num_regions != local.num_regions:
-        raise HandshakeError(
+        ),
+        (
             "kv_caches_base_addr (registered KV regions)",
             local.num_regions,
             remote.num_regions,
             "the engines hold different numbers of KV cache layers; serve the same model on both",
-        )
-    if remote.ssm_sizes != local.ssm_sizes:
-        raise HandshakeError(
+        ),
+        (
             "ssm_sizes (conv and SSM state bytes per block at prefill's TP size)",
             local.ssm_sizes,
             remote.ssm_sizes,
             "prefill's Mamba state has another shape or dtype than this model has "
             "there; serve the same model with the same --mamba-ssm-cache-dtype on both",
-        )
+        ),
+    ):
+        if local_value != remote_value:
+            raise HandshakeError(field, local_value, remote_value, remedy)
     check_alignable(
         group_kinds,
         local.physical_per_logical,

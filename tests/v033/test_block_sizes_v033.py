@@ -16,12 +16,10 @@ other), real NIXL, every slot checked:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests.v033.cells import model_dirs, run_by_key
 from vllm_nixl_hma.harness import coordinator
-from vllm_nixl_hma.harness.model_shapes import installed_layouts
 
 pytestmark = [pytest.mark.vllm033, pytest.mark.slow]
 
@@ -30,33 +28,25 @@ CELLS = [("dense", 128, 64), ("dense", 64, 128), ("swa", 128, 64)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    root = tmp_path_factory.mktemp("models")
-    layouts = installed_layouts()
-    dirs = {name: coordinator.model_dir_for(layouts[name], root) for name in ("dense", "swa")}
+    dirs = model_dirs(tmp_path_factory.mktemp("models"), ("dense", "swa"))
     scenarios = [coordinator.Scenario("mid-block"), coordinator.Scenario("boundary")]
-    pool = coordinator.RankPool(2)
-    try:
-        return {
-            (connector, layout, p_block, d_block): coordinator.run_cell(
-                pool,
-                coordinator.Cell(
-                    layout,
-                    dirs[layout],
-                    1,
-                    1,
-                    connector,
-                    scenarios,
-                    prefill_block_size=p_block,
-                    decode_block_size=d_block,
-                ),
-                progress=lambda line: None,
+    return run_by_key(
+        {
+            (connector, layout, p_block, d_block): coordinator.Cell(
+                layout,
+                dirs[layout],
+                1,
+                1,
+                connector,
+                scenarios,
+                prefill_block_size=p_block,
+                decode_block_size=d_block,
             )
             for connector in ("NixlHMAConnector", "NixlConnector")
             for layout, p_block, d_block in CELLS
-        }
-    finally:
-        pool.close()
+        },
+        pool_size=2,
+    )
 
 
 @pytest.mark.parametrize(("p_block", "d_block"), [(128, 64), (64, 128)])

@@ -17,12 +17,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests.v033.cells import model_dirs, run_by_key
 from vllm_nixl_hma.harness import coordinator
-from vllm_nixl_hma.harness.model_shapes import installed_layouts
 
 pytestmark = [pytest.mark.vllm033, pytest.mark.slow]
 
@@ -32,10 +30,7 @@ UNPAIRABLE = [("hybrid", 2, 1), ("dense", 1, 1)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    root = tmp_path_factory.mktemp("models")
-    layouts = installed_layouts()
-    dirs = {name: coordinator.model_dir_for(layouts[name], root) for name in ("hybrid", "dense")}
+    dirs = model_dirs(tmp_path_factory.mktemp("models"), ("hybrid", "dense"))
     cells = {}
     for connector in ("NixlHMAConnector", "NixlConnector"):
         for layout, p_tp, d_tp in UNPAIRABLE:
@@ -62,14 +57,7 @@ def results(tmp_path_factory):
         [Scenario("mid-block")],
         prefix_caching=True,
     )
-    pool = coordinator.RankPool(3)
-    try:
-        return {
-            key: coordinator.run_cell(pool, cell, progress=lambda line: None)
-            for key, cell in cells.items()
-        }
-    finally:
-        pool.close()
+    return run_by_key(cells, pool_size=3)
 
 
 @pytest.mark.parametrize("layout", [layout for layout, _, _ in UNPAIRABLE])

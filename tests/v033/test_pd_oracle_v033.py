@@ -15,10 +15,9 @@ side-channel handshake on 127.0.0.1 and NIXL READ over UCX.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests.v033.cells import model_dirs, run_by_key
 from vllm_nixl_hma.cli import DEFAULT_LAYOUTS, DEFAULT_TP_PAIRS
 from vllm_nixl_hma.harness import coordinator
 from vllm_nixl_hma.harness.model_shapes import installed_layouts
@@ -32,29 +31,21 @@ STOCK_RIGHT = [("hybrid-1group", 2, 2), ("hybrid", 2, 1), ("gdn", 1, 2)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    root = tmp_path_factory.mktemp("models")
-    layouts = installed_layouts()
-    model_dirs = {name: coordinator.model_dir_for(layouts[name], root) for name in layouts}
+    dirs = model_dirs(tmp_path_factory.mktemp("models"))
     scenarios = [coordinator.Scenario("mid-block"), coordinator.Scenario("boundary")]
-    cells = [
-        coordinator.Cell(layout, model_dirs[layout], p_tp, d_tp, connector, scenarios)
-        for connector, cell_list in (
-            ("NixlHMAConnector", OURS_CELLS),
-            ("NixlConnector", STOCK_WRONG + STOCK_RIGHT),
-        )
-        for layout, p_tp, d_tp in cell_list
-    ]
-    pool = coordinator.RankPool(4)
-    by_cell = {}
-    try:
-        for cell in cells:
-            by_cell[(cell.connector, cell.layout, cell.p_tp, cell.d_tp)] = coordinator.run_cell(
-                pool, cell, progress=lambda line: None
+    return run_by_key(
+        {
+            (connector, layout, p_tp, d_tp): coordinator.Cell(
+                layout, dirs[layout], p_tp, d_tp, connector, scenarios
             )
-    finally:
-        pool.close()
-    return by_cell
+            for connector, cell_list in (
+                ("NixlHMAConnector", OURS_CELLS),
+                ("NixlConnector", STOCK_WRONG + STOCK_RIGHT),
+            )
+            for layout, p_tp, d_tp in cell_list
+        },
+        pool_size=4,
+    )
 
 
 def test_the_hybrids_are_granite_on_vllm_033():

@@ -454,6 +454,68 @@ def _global_heads(total_kv_heads: int, tp_size: int, tp_rank: int, local: int) -
     return list(range(shard * local, shard * local + local))
 
 
+def layer_views(
+    vllm_config: Any,
+    tp_rank: int,
+    kv_cache_config: Any,
+    kv_caches: dict[str, Any],
+    kernel_block_sizes: list[int],
+    layers: dict[str, Any],
+    specs: dict[str, Any],
+    attention_kv: Any,
+    mamba_states: Any,
+) -> tuple[list[AttentionLayerView], list[MambaLayerView], set[int]]:
+    """The oracle's views of every layer's cache, in model order, and the
+    attention groups' kernel block sizes. The release's layout says how a
+    layer's tensor looks: ``attention_kv(name, spec, group, tensor)`` gives
+    ``[kernel blocks, 2, heads, tokens, head_size]``, ``mamba_states(name,
+    tensor)`` the (conv, ssm) pair."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    plans = {p.layer_name: p for p in layer_plan(specs)}
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    attention: list[AttentionLayerView] = []
+    mamba: list[MambaLayerView] = []
+    attn_kernel_sizes: set[int] = set()
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            layer_index = plans[name].layer_index
+            if isinstance(spec, AttentionSpec):
+                attn_kernel_sizes.add(kernel_block_sizes[gid])
+                attention.append(
+                    AttentionLayerView(
+                        layer_name=name,
+                        group_index=gid,
+                        layer_index=layer_index,
+                        kv=attention_kv(name, spec, gid, kv_caches[name]),
+                        global_heads=_global_heads(
+                            total_kv_heads, tp_size, tp_rank, spec.num_kv_heads
+                        ),
+                    )
+                )
+                continue
+            conv, ssm = mamba_states(name, kv_caches[name])
+            conv_ids, head_ids = state_row_ids(layers[name], tp_size)
+            _require(len(conv_ids) == conv.shape[1] and len(head_ids) == ssm.shape[1], name)
+            mamba.append(
+                MambaLayerView(
+                    layer_name=name,
+                    group_index=gid,
+                    layer_index=layer_index,
+                    conv=conv,
+                    ssm=ssm,
+                    conv_channel_ids=conv_ids,
+                    ssm_head_ids=head_ids,
+                )
+            )
+    attention.sort(key=lambda v: v.layer_index)
+    mamba.sort(key=lambda v: v.layer_index)
+    _require(len(attn_kernel_sizes) <= 1, attn_kernel_sizes)
+    return attention, mamba, attn_kernel_sizes
+
+
 def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
     """Allocate and shape TP rank ``tp_rank``'s KV cache in CPU memory, the GPU runner's way."""
     import copy
@@ -491,7 +553,6 @@ def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
 
     layers = build_cache_layers(vllm_config)
     specs = build_kv_cache_specs(vllm_config, layers)
-    plans = {p.layer_name: p for p in layer_plan(specs)}
     attn_backend = _attention_backend_cls()
 
     with set_current_vllm_config(vllm_config):
@@ -521,53 +582,26 @@ def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
         raw = runner._allocate_kv_cache_tensors(kv_cache_config)
         kv_caches = runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
 
-    total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-    attention: list[AttentionLayerView] = []
-    mamba: list[MambaLayerView] = []
-    attn_kernel_sizes: set[int] = set()
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        for name in group.layer_names:
-            plan = plans[name]
-            t = kv_caches[name]
-            if isinstance(spec, AttentionSpec):
-                attn_kernel_sizes.add(kernel_block_sizes[gid])
-                # FlashInfer's semantic shape (num_blocks, 2, block, heads, head_size)
-                # whatever the physical stride order; we expose heads before tokens.
-                shape = attn_backend.get_kv_cache_shape(
-                    t.shape[0], kernel_block_sizes[gid], spec.num_kv_heads, spec.head_size
-                )
-                _require(tuple(t.shape) == tuple(shape), (t.shape, shape))
-                kv = t.permute(0, 1, 3, 2, 4)
-                attention.append(
-                    AttentionLayerView(
-                        layer_name=name,
-                        group_index=gid,
-                        layer_index=plan.layer_index,
-                        kv=kv,
-                        global_heads=_global_heads(
-                            total_kv_heads, pc.tensor_parallel_size, tp_rank, spec.num_kv_heads
-                        ),
-                    )
-                )
-            else:
-                conv, ssm = t
-                conv_ids, head_ids = state_row_ids(layers[name], pc.tensor_parallel_size)
-                _require(len(conv_ids) == conv.shape[1] and len(head_ids) == ssm.shape[1], name)
-                mamba.append(
-                    MambaLayerView(
-                        layer_name=name,
-                        group_index=gid,
-                        layer_index=plan.layer_index,
-                        conv=conv,
-                        ssm=ssm,
-                        conv_channel_ids=conv_ids,
-                        ssm_head_ids=head_ids,
-                    )
-                )
-    attention.sort(key=lambda v: v.layer_index)
-    mamba.sort(key=lambda v: v.layer_index)
-    _require(len(attn_kernel_sizes) <= 1, attn_kernel_sizes)
+    def attention_kv(name: str, spec: Any, gid: int, t: Any) -> Any:
+        # FlashInfer's semantic shape (num_blocks, 2, block, heads, head_size)
+        # whatever the physical stride order; we expose heads before tokens.
+        shape = attn_backend.get_kv_cache_shape(
+            t.shape[0], kernel_block_sizes[gid], spec.num_kv_heads, spec.head_size
+        )
+        _require(tuple(t.shape) == tuple(shape), (t.shape, shape))
+        return t.permute(0, 1, 3, 2, 4)
+
+    attention, mamba, attn_kernel_sizes = layer_views(
+        vllm_config,
+        tp_rank,
+        kv_cache_config,
+        kv_caches,
+        kernel_block_sizes,
+        layers,
+        specs,
+        attention_kv,
+        mamba_states=lambda name, t: t,  # the runner's (conv, ssm) pair
+    )
     logical = cc.block_size
     kernel = attn_kernel_sizes.pop() if attn_kernel_sizes else logical
     _require(logical % kernel == 0)

@@ -100,7 +100,6 @@ def build_engine_layout(vllm_config: Any, tp_rank: int) -> common.EngineLayout:
 
     layers = common.build_cache_layers(vllm_config)
     specs = common.build_kv_cache_specs(vllm_config, layers)
-    plans = {p.layer_name: p for p in common.layer_plan(specs)}
     attention_backend = common._attention_backend_cls()
 
     with set_current_vllm_config(vllm_config):
@@ -134,56 +133,30 @@ def build_engine_layout(vllm_config: Any, tp_rank: int) -> common.EngineLayout:
             kv_cache_config, torch.device("cpu"), layout_enum, kernel_block_sizes
         )
 
-    total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-    attention: list[common.AttentionLayerView] = []
-    mamba: list[common.MambaLayerView] = []
-    attn_kernel_sizes: set[int] = set()
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        for name in group.layer_names:
-            plan = plans[name]
-            view = kv_caches[name]
-            if isinstance(spec, AttentionSpec):
-                attn_kernel_sizes.add(kernel_block_sizes[gid])
-                # [blocks, heads, tokens, K|V] -> [blocks, 2, heads, tokens, head_size]
-                common._require(
-                    view.shape[-1] == spec.head_size + spec.head_size_v
-                    and spec.head_size == spec.head_size_v,
-                    (name, tuple(view.shape)),
-                )
-                kv = view.unflatten(-1, (2, spec.head_size)).permute(0, 3, 1, 2, 4)
-                attention.append(
-                    common.AttentionLayerView(
-                        layer_name=name,
-                        group_index=gid,
-                        layer_index=plan.layer_index,
-                        kv=kv,
-                        global_heads=common._global_heads(
-                            total_kv_heads, pc.tensor_parallel_size, tp_rank, spec.num_kv_heads
-                        ),
-                    )
-                )
-            else:
-                layers[name].bind_kv_cache(view)  # the layer's own split of its page
-                conv, ssm = layers[name].kv_cache
-                conv_ids, head_ids = common.state_row_ids(layers[name], pc.tensor_parallel_size)
-                common._require(
-                    len(conv_ids) == conv.shape[1] and len(head_ids) == ssm.shape[1], name
-                )
-                mamba.append(
-                    common.MambaLayerView(
-                        layer_name=name,
-                        group_index=gid,
-                        layer_index=plan.layer_index,
-                        conv=conv,
-                        ssm=ssm,
-                        conv_channel_ids=conv_ids,
-                        ssm_head_ids=head_ids,
-                    )
-                )
-    attention.sort(key=lambda v: v.layer_index)
-    mamba.sort(key=lambda v: v.layer_index)
-    common._require(len(attn_kernel_sizes) <= 1, attn_kernel_sizes)
+    def attention_kv(name: str, spec: Any, gid: int, view: Any) -> Any:
+        # [blocks, heads, tokens, K|V] -> [blocks, 2, heads, tokens, head_size]
+        common._require(
+            view.shape[-1] == spec.head_size + spec.head_size_v
+            and spec.head_size == spec.head_size_v,
+            (name, tuple(view.shape)),
+        )
+        return view.unflatten(-1, (2, spec.head_size)).permute(0, 3, 1, 2, 4)
+
+    def mamba_states(name: str, view: Any) -> Any:
+        layers[name].bind_kv_cache(view)  # the layer's own split of its page
+        return layers[name].kv_cache
+
+    attention, mamba, attn_kernel_sizes = common.layer_views(
+        vllm_config,
+        tp_rank,
+        kv_cache_config,
+        kv_caches,
+        kernel_block_sizes,
+        layers,
+        specs,
+        attention_kv,
+        mamba_states,
+    )
     # the manager's block: vLLM 0.33 may give the attention groups a block
     # larger than --block-size (two sliding-window/full groups sharing pages)
     attention_blocks = [
@@ -194,8 +167,10 @@ def build_engine_layout(vllm_config: Any, tp_rank: int) -> common.EngineLayout:
     logical = math.lcm(*attention_blocks) if attention_blocks else cc.block_size
     kernel = attn_kernel_sizes.pop() if attn_kernel_sizes else logical
     common._require(logical % kernel == 0, (logical, kernel_block_sizes))
-    buffer = next(iter(kv_caches.values())) if kv_caches else None
-    base = torch.empty(0, dtype=torch.int8).set_(buffer.untyped_storage()) if kv_caches else None
+    regions = []
+    if kv_caches:  # every view shares one backing buffer
+        storage = next(iter(kv_caches.values())).untyped_storage()
+        regions = page_regions(kv_cache_config, torch.empty(0, dtype=torch.int8).set_(storage))
     return common.EngineLayout(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -209,5 +184,5 @@ def build_engine_layout(vllm_config: Any, tp_rank: int) -> common.EngineLayout:
         tp_size=pc.tensor_parallel_size,
         kernel_block_sizes=list(kernel_block_sizes),
         kv_cache_layout=layout_enum.name,
-        page_regions=page_regions(kv_cache_config, base) if base is not None else [],
+        page_regions=regions,
     )

@@ -35,6 +35,21 @@ Prints tables (stderr) and, with ``--json``, one JSON object on stdout:
 ``gbps_raw_nixl_scattered`` is raw NIXL reading the same bytes in logical
 pages (288 KiB) at random places: the cost of the scatter itself. ``BENCH_NIXL_THREADS`` overrides
 ``num_threads`` of every agent.
+
+Harness (the only one on vLLM 0.33, whose workers the two above cannot build;
+``--only harness`` runs it on 0.21.0 too): the check harness's real engines
+(one process per rank, the release's own KV layout and connector worker, the
+side-channel handshake), ours against stock in the same run, prefill TP 1 ->
+decode TP 1 (equal ratios, so both read right and every slot is checked),
+three requests of 1201 logical blocks each at random places of the cache, per
+layout. ``ids_*``: descriptor ids decode hands to NIXL; ``nixl_descs_*``: the
+descriptors NIXL reports it moved (its telemetry, after NIXL >= 1.5 merges
+descriptors that are contiguous on both sides); ``post_ms_*``: the time
+vLLM's step thread spends in the ``start_load_kv`` calls that post the reads
+(``post_cpu_ms_*`` its CPU time); ``gbps_*``: bytes over the time from the
+post to the last completion; raw NIXL and memcpy move the same bytes with one
+descriptor. Medians of the repeats, after one warm-up batch that also does
+the handshake. JSON key ``harness``.
 """
 
 from __future__ import annotations
@@ -358,6 +373,223 @@ def transfer_rows(quick: bool, progress) -> list[dict]:
     return rows
 
 
+#: (layout, --block-size of both engines): None is the attention backend's choice
+HARNESS_CELLS = (("hybrid", None), ("gdn", None), ("dense", 128))
+HARNESS_WORKERS = {"ours": "NixlHMAConnector", "stock": "NixlConnector"}
+
+
+def harness_rows(quick: bool, progress) -> list[dict]:
+    """Each layout through the check harness's real engines, ours then stock."""
+    import tempfile
+    from pathlib import Path
+
+    from vllm_nixl_hma.harness import coordinator
+    from vllm_nixl_hma.harness.model_shapes import installed_layouts
+
+    repeats = 2 if quick else 5
+    scenarios = [coordinator.Scenario("mid-block")] + [
+        coordinator.Scenario("long") for _ in range(repeats)
+    ]
+    layouts = installed_layouts()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-harness-") as root:
+        cells = []
+        for layout, block_size in HARNESS_CELLS:
+            model_dir = coordinator.model_dir_for(layouts[layout], Path(root))
+            for connector in HARNESS_WORKERS.values():
+                cells.append(
+                    coordinator.Cell(
+                        layout,
+                        model_dir,
+                        p_tp=1,
+                        d_tp=1,
+                        connector=connector,
+                        scenarios=scenarios,
+                        num_gpu_blocks=4096,
+                        prefill_block_size=block_size,
+                        decode_block_size=block_size,
+                    )
+                )
+        results = coordinator.run_cells(cells, progress)
+    per_cell = len(scenarios)
+    for index, (layout, _) in enumerate(HARNESS_CELLS):
+        measured = {}
+        for offset, name in enumerate(HARNESS_WORKERS):
+            start = (2 * index + offset) * per_cell
+            cell_results = results[start : start + per_cell]
+            for result in cell_results:
+                if not result.ok:
+                    raise RuntimeError(
+                        f"{name} {layout} {result.name}: {result.error or result.examples}"
+                    )
+            measured[name] = cell_results[1:]  # the first batch warms up and handshakes
+        rows.append(harness_row(layout, measured))
+    return rows
+
+
+def harness_row(layout: str, measured: dict[str, list]) -> dict:
+    """One table row from ours' and stock's long batches, with raw NIXL and
+    memcpy moving the same bytes per batch."""
+    import numpy as np
+
+    def median(name: str, value) -> float:
+        return statistics.median(value(result) for result in measured[name])
+
+    ours, stock = measured["ours"][0], measured["stock"][0]
+    if ours.bytes != stock.bytes:
+        raise RuntimeError(f"{layout}: ours moved {ours.bytes} B, stock {stock.bytes} B")
+    num_bytes = ours.bytes
+    raw = RawNixl(num_bytes)
+    raw_s = []
+    try:
+        for index in range(len(measured["ours"]) + 1):
+            started = time.perf_counter()
+            raw.read()
+            if index:
+                raw_s.append(time.perf_counter() - started)
+    finally:
+        raw.close()
+    source, target = np.ones(num_bytes, dtype=np.uint8), np.zeros(num_bytes, dtype=np.uint8)
+    memcpy_s = []
+    for index in range(len(measured["ours"]) + 1):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        if index:
+            memcpy_s.append(time.perf_counter() - started)
+    gbps = {name: num_bytes / median(name, lambda r: r.seconds) / 1e9 for name in measured}
+    post_ms = {name: median(name, lambda r: r.post_ms) for name in measured}
+    return {
+        "layout": layout,
+        "ratio": ours.local_ratio,
+        "blocks_per_request": 1201,
+        "bytes": num_bytes,
+        "ids_ours": ours.ids_posted,
+        "ids_stock": stock.ids_posted,
+        "nixl_descs_ours": ours.descriptors,
+        "nixl_descs_stock": stock.descriptors,
+        "post_ms_ours": round(post_ms["ours"], 2),
+        "post_ms_stock": round(post_ms["stock"], 2),
+        "post_ours_over_stock": round(post_ms["ours"] / post_ms["stock"], 3),
+        "post_cpu_ms_ours": round(median("ours", lambda r: r.post_cpu_ms), 2),
+        "post_cpu_ms_stock": round(median("stock", lambda r: r.post_cpu_ms), 2),
+        "gbps_ours": round(gbps["ours"], 3),
+        "gbps_stock": round(gbps["stock"], 3),
+        "ours_over_stock": round(gbps["ours"] / gbps["stock"], 3),
+        "gbps_raw_nixl": round(num_bytes / statistics.median(raw_s) / 1e9, 3),
+        "gbps_memcpy": round(num_bytes / statistics.median(memcpy_s) / 1e9, 3),
+    }
+
+
+#: NIXL merge: a logical block of ``run`` kernel pages of this many bytes
+MERGE_PAGE_BYTES = 2048
+MERGE_LOGICAL_BLOCKS = 4096
+
+
+def nixl_merge_rows(quick: bool, progress) -> list[dict]:
+    """Raw NIXL, no connector: the same read of 1201 logical blocks at random
+    places, its ids given per kernel page (what vLLM 0.33 posts) or per
+    logical block (what page runs would post), over strided lists of each
+    unit, the two orders alternating. NIXL >= 1.5 merges ids that are
+    contiguous on both sides, so the descriptors it moves (telemetry) are the
+    same either way; this is why the 0.33 glue keeps upstream's descriptors.
+    ``make_ms``: ``make_prepped_xfer`` alone (the cost of the ids);
+    ``ms``: from it to completion."""
+    import uuid
+
+    import numpy as np
+    import torch
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    config = nixl_agent_config(num_threads=NIXL_THREADS, capture_telemetry=True)
+    reader = nixl_agent(f"merge-reader-{uuid.uuid4()}", config)
+    owner = nixl_agent(f"merge-owner-{uuid.uuid4()}", config)
+    repeats = 6 if quick else 20
+    rows = []
+    for run in (2, 5, 16):
+        num_bytes = MERGE_LOGICAL_BLOCKS * run * MERGE_PAGE_BYTES
+        source = torch.ones(num_bytes, dtype=torch.uint8)
+        target = torch.zeros(num_bytes, dtype=torch.uint8)
+        registered = [
+            (owner, owner.register_memory(owner.get_reg_descs([source]))),
+            (reader, reader.register_memory(reader.get_reg_descs([target]))),
+        ]
+        owner_name = reader.add_remote_agent(owner.get_agent_metadata())
+        lists = {
+            name: [
+                reader.prep_xfer_dlist(
+                    agent_name,
+                    np.array(
+                        [[tensor.data_ptr(), unit, 0, unit, num_bytes // unit]], dtype=np.uint64
+                    ),
+                    mem_type="DRAM",
+                )
+                for agent_name, tensor in (("NIXL_INIT_AGENT", target), (owner_name, source))
+            ]
+            for name, unit in (("page", MERGE_PAGE_BYTES), ("run", run * MERGE_PAGE_BYTES))
+        }
+        rng = np.random.default_rng(run)
+        measured: dict[str, list[tuple[float, float]]] = {name: [] for name in lists}
+        descs: dict[str, tuple[int, int]] = {}
+        try:
+            for index in range(repeats + 2):
+                blocks = [rng.choice(MERGE_LOGICAL_BLOCKS, 1201, replace=False) for _ in "lr"]
+                for name in ("page", "run") if index % 2 else ("run", "page"):
+                    if name == "page":
+                        ids = [(b[:, None] * run + np.arange(run)).reshape(-1) for b in blocks]
+                    else:
+                        ids = blocks
+                    timed = merge_read(reader, lists[name], [i.astype(np.int32) for i in ids])
+                    descs[name] = (len(ids[0]), timed[2])
+                    if index >= 2:  # two warm-up rounds
+                        measured[name].append(timed[:2])
+        finally:
+            for handles in lists.values():
+                for handle in handles:
+                    reader.release_dlist_handle(handle)
+            reader.remove_remote_agent(owner_name)
+            for agent, descs_registered in registered:
+                agent.deregister_memory(descs_registered)
+
+        def median_ms(name: str, column: int, measured=measured) -> float:
+            return round(statistics.median(m[column] for m in measured[name]) * 1e3, 3)
+
+        rows.append(
+            {
+                "pages_per_block": run,
+                "bytes": 1201 * run * MERGE_PAGE_BYTES,
+                "ids_per_page": descs["page"][0],
+                "ids_per_run": descs["run"][0],
+                "nixl_descs_per_page": descs["page"][1],
+                "nixl_descs_per_run": descs["run"][1],
+                "make_ms_per_page": median_ms("page", 0),
+                "make_ms_per_run": median_ms("run", 0),
+                "ms_per_page": median_ms("page", 1),
+                "ms_per_run": median_ms("run", 1),
+            }
+        )
+        progress(f"nixl merge: {run} pages per block")
+    return rows
+
+
+def merge_read(reader, lists, ids) -> tuple[float, float, int]:
+    """One READ: (seconds in make_prepped_xfer, seconds to completion, NIXL's descriptors)."""
+    started = time.perf_counter()
+    handle = reader.make_prepped_xfer("READ", lists[0], ids[0], lists[1], ids[1])
+    made = time.perf_counter()
+    reader.transfer(handle)
+    deadline = time.monotonic() + 120
+    while (state := reader.check_xfer_state(handle)) == "PROC":
+        if time.monotonic() > deadline:
+            raise TimeoutError("NIXL read did not finish in 120 s")
+    finished = time.perf_counter()
+    try:
+        if state != "DONE":
+            raise RuntimeError(f"NIXL read ended {state}")
+        return made - started, finished - started, reader.get_xfer_telemetry(handle).descCount
+    finally:
+        reader.release_xfer_handle(handle)
+
+
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}", file=sys.stderr)
     columns = list(rows[0])
@@ -379,23 +611,38 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument(
-        "--only", choices=("read_path", "transfer"), help="run one of the two benchmarks"
+        "--only",
+        choices=("read_path", "transfer", "harness", "nixl_merge"),
+        help="run one benchmark (default: read_path and transfer on vLLM 0.21.0, harness on 0.33)",
     )
     args = parser.parse_args(argv)
+    from vllm_nixl_hma import _compat
     from vllm_nixl_hma.cli import reserve_stdout_for_json
 
     json_stream = reserve_stdout_for_json()
+    if args.only is not None:
+        wanted = {args.only}
+    elif _compat.adapter() == "v033":  # read_path and transfer build 0.21.0 workers
+        wanted = {"harness", "nixl_merge"}
+    else:
+        wanted = {"read_path", "transfer"}
 
     def progress(line: str) -> None:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
 
-    result: dict = {"machine": machine()}
-    if args.only in (None, "read_path"):
+    result: dict = {"machine": machine(), "vllm": _compat.installed_vllm_version()}
+    if "read_path" in wanted:
         result["read_path"] = read_path_rows(args.quick, progress)
         print_table("read path (decode time per request, us)", result["read_path"])
-    if args.only in (None, "transfer"):
+    if "transfer" in wanted:
         result["transfer"] = transfer_rows(args.quick, progress)
         print_table("transfer (GB/s)", result["transfer"])
+    if "harness" in wanted:
+        result["harness"] = harness_rows(args.quick, progress)
+        print_table("harness (real engines, P TP 1 -> D TP 1, per batch)", result["harness"])
+    if "nixl_merge" in wanted:
+        result["nixl_merge"] = nixl_merge_rows(args.quick, progress)
+        print_table("NIXL merge (raw NIXL, 1201 logical blocks per read)", result["nixl_merge"])
     if args.json:
         print(json.dumps(result), file=json_stream)
     json_stream.close()

@@ -87,3 +87,18 @@ def test_stock_033_is_right_where_upstream_fixed_it(results, layout, p_tp, d_tp)
         assert result.error is None, result.error
         assert result.slots_checked > 100_000
         assert result.mismatched_slots == 0, result.examples
+
+
+def test_ours_posts_upstreams_descriptors_and_nixl_merges_them(results):
+    """The 0.33 glue keeps upstream's descriptor ids (one per kernel page; no
+    page runs: NIXL >= 1.5 merges contiguous pages itself, test_nixl_merge),
+    so at equal TP ours hands NIXL exactly stock's ids and NIXL moves fewer
+    descriptors than it was given ids."""
+    cell = ("hybrid-1group", 2, 2)
+    ours, stock = results[("NixlHMAConnector", *cell)], results[("NixlConnector", *cell)]
+    for ours_result, stock_result in zip(ours, stock, strict=True):
+        assert ours_result.ids_posted == stock_result.ids_posted > 0
+        assert ours_result.descriptors == stock_result.descriptors
+        # the local kernel-per-logical ratio exceeds 1, so a block's pages merge
+        assert ours_result.local_ratio > 1
+        assert 0 < ours_result.descriptors < ours_result.ids_posted

@@ -121,6 +121,11 @@ class ScenarioResult:
     bytes: int = 0
     descriptors: int = 0
     seconds: float = 0.0
+    # decode's descriptor ids handed to NIXL, and the time its step thread spent
+    # in the start_load_kv calls that posted reads (wall and CPU; slowest rank)
+    ids_posted: int = 0
+    post_ms: float = 0.0
+    post_cpu_ms: float = 0.0
     error: str | None = None
     examples: list[str] = field(default_factory=list)
     # Outcome per request, for fault injection.
@@ -144,6 +149,9 @@ class ScenarioResult:
             "leaked_handles",
             "prefill_released_by_expiry",
             "remote_engines_registered",
+            "ids_posted",  # benchmarks/run.py reads these three
+            "post_ms",
+            "post_cpu_ms",
         ):
             row.pop(internal)
         return row
@@ -545,6 +553,9 @@ def _run_scenario(
     result.seconds = max(load["seconds"] for load in loads.values())
     result.bytes = sum(load["bytes"] for load in loads.values())
     result.descriptors = sum(load["descriptors"] for load in loads.values())
+    result.ids_posted = sum(load["ids_posted"] for load in loads.values())
+    result.post_ms = max(load["post_seconds"] for load in loads.values()) * 1e3
+    result.post_cpu_ms = max(load["post_cpu_seconds"] for load in loads.values()) * 1e3
     result.leaked_handles = sum(load["pending_transfers"] for load in loads.values())
     if cell.remote_agents_must_be_gone:
         result.leaked_handles += sum(

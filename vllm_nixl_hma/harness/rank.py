@@ -443,20 +443,24 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
     failed: set[str] = set()
     wanted = {r["request_id"] for r in requests}
     deadline = time.monotonic() + timeout_s
-    worker.start_load_kv(metadata)
-    while done | failed != wanted and time.monotonic() < deadline:
-        worker.start_load_kv(NixlConnectorMetadata())
-        if V033:  # failures come back per request, beside the finished ones
-            results = worker.get_transfer_results()
-            failed |= set(results.failed_recving)
-            done |= set(results.finished_recving) - failed
-        else:
-            # upstream reports requests it gave up on (handshake or transfer setup
-            # failed) as finished; note them before get_finished clears the set
-            failed |= set(tuple(worker._failed_recv_reqs))
-            _, done_recving = worker.get_finished()
-            done |= done_recving
-        time.sleep(POLL_SECONDS)
+    posting = _PostTimer(worker)
+    try:
+        posting.start_load_kv(metadata)
+        while done | failed != wanted and time.monotonic() < deadline:
+            posting.start_load_kv(NixlConnectorMetadata())
+            if V033:  # failures come back per request, beside the finished ones
+                results = worker.get_transfer_results()
+                failed |= set(results.failed_recving)
+                done |= set(results.finished_recving) - failed
+            else:
+                # upstream reports requests it gave up on (handshake or transfer setup
+                # failed) as finished; note them before get_finished clears the set
+                failed |= set(tuple(worker._failed_recv_reqs))
+                _, done_recving = worker.get_finished()
+                done |= done_recving
+            time.sleep(POLL_SECONDS)
+    finally:
+        posting.close()
     seconds = time.perf_counter() - start
     data = stats.data
     return {
@@ -465,6 +469,9 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
         # what vLLM's scheduler would be told to fail or recompute
         "invalid_block_ids": sorted(worker.get_block_ids_with_load_errors()),
         "seconds": seconds,
+        "post_seconds": posting.wall_s,
+        "post_cpu_seconds": posting.cpu_s,
+        "ids_posted": posting.ids_posted,
         "bytes": int(sum(data["bytes_transferred"])),
         "descriptors": int(sum(data["num_descriptors"])),
         "failed_transfers": len(data["num_failed_transfers"]),
@@ -475,6 +482,44 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
         "failed_reported": sorted(failed) if V033 else [],
         "remote_engines_registered": _remote_engines_registered(worker) if V033 else 0,
     }
+
+
+class _PostTimer:
+    """``start_load_kv`` of a decode worker, timed in the calls that post a
+    read (wall and this thread's CPU time: what vLLM's step spends there),
+    counting the descriptor ids the connector hands to NIXL."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.wall_s = 0.0
+        self.cpu_s = 0.0
+        self.ids_posted = 0
+        self._posted = False
+        self._wrapper = worker.nixl_wrapper
+        self._own = self._wrapper.__dict__.get("make_prepped_xfer")
+        make_prepped_xfer = self._wrapper.make_prepped_xfer
+
+        def counting(operation, local_side, local_ids, *args, **kwargs):
+            self._posted = True
+            self.ids_posted += len(local_ids)
+            return make_prepped_xfer(operation, local_side, local_ids, *args, **kwargs)
+
+        self._wrapper.make_prepped_xfer = counting
+
+    def close(self) -> None:
+        """Give the wrapper its own ``make_prepped_xfer`` back."""
+        if self._own is None:
+            del self._wrapper.make_prepped_xfer
+        else:
+            self._wrapper.make_prepped_xfer = self._own
+
+    def start_load_kv(self, metadata) -> None:
+        self._posted = False
+        cpu_started, wall_started = time.thread_time(), time.perf_counter()
+        self.worker.start_load_kv(metadata)
+        if self._posted:
+            self.wall_s += time.perf_counter() - wall_started
+            self.cpu_s += time.thread_time() - cpu_started
 
 
 def _remote_engines_registered(worker) -> int:

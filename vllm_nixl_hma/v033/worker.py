@@ -40,6 +40,16 @@ remove it):
 Not redone (0.33 has it): the remote kernel-block expansion, failure
 reporting per request, engine cleanup, GatedDeltaNet state splits (read
 with our plans as well, which agree with upstream's for q/k/v).
+
+Not ported from the 0.21.0 glue: descriptors per run of whole pages
+(``page_runs``). vLLM 0.33 still hands NIXL one descriptor id per kernel
+page, but the NIXL it requires (>= 1.5, for its strided lists) merges ids
+that are contiguous on both sides in ``make_prepped_xfer``, so a logical
+block's pages already move as one descriptor. A prototype of runs on 0.33
+(N x 5 run lists beside upstream's) moved the same descriptors as stock and
+posted no faster (``benchmarks/run.py``, tables ``harness`` and
+``nixl_merge``; ``tests/v033/test_nixl_merge.py`` fails if NIXL stops
+merging).
 """
 
 from __future__ import annotations

@@ -19,12 +19,14 @@ export HF_HUB_OFFLINE=1 UCX_NET_DEVICES=lo
 if [ "${E2E:-1}" != 0 ]; then
   # vLLM 0.33 (issue #13): the shared pure core's tests, then tests/v033: the
   # glue, the check harness on real bytes (ours and stock), failing closed,
-  # vLLM 0.33.0's own conv-state offsets and side-channel listener
+  # vLLM 0.33.0's own conv-state offsets and side-channel listener, NIXL's
+  # descriptor merge; then vLLM 0.33.0's own NIXL tests against ours
   v033_venv=$(bash "$root/tools/env.sh" v033)
+  "$v033_venv/bin/python" tests/upstream/source.py
   "$v033_venv/bin/python" -m pytest -p no:cacheprovider tests/unit/test_blocks.py \
     tests/property/test_blocks_properties.py tests/unit/test_mamba_conv.py \
     tests/unit/test_handshake.py tests/unit/test_lease_rules.py tests/unit/test_side_channel.py \
-    tests/unit/test_import_cost.py tests/unit/test_proxy.py tests/v033
+    tests/unit/test_import_cost.py tests/unit/test_proxy.py tests/v033 tests/upstream
   cpu_venv=$(bash "$root/tools/env.sh" cpu)
   # vLLM's test sources for tests/upstream, from the release's sdist (cached)
   "$cpu_venv/bin/python" tests/upstream/source.py

@@ -7,7 +7,8 @@ remove it):
 * ``__init__``: builds this rank's ``StateSplit`` (``state_split``) beside
   upstream's ``MambaConvSplitInfo`` and refuses to start when the two
   disagree on where the local conv parts lie, since upstream's local
-  descriptors come from its own.
+  descriptors come from its own. A state ``mamba_conv`` does not describe
+  (Mamba1, MLA with SSM) keeps upstream's offsets, with a warning.
 * ``add_remote_agent``: refuses a prefill rank decode cannot read before
   anything of it is registered or loaded (``handshake.refuse_before_loading``:
   layout, regions, Mamba state sizes, unequal kernel-per-logical ratios with
@@ -100,6 +101,12 @@ logger = init_logger(f"vllm.{__name__}")
 class NixlHMAConnectorWorker(NixlPullConnectorWorker):
     """vLLM 0.33's ``NixlPullConnectorWorker`` with the departures listed in this module."""
 
+    # What __init__ sets, as defaults for a worker built without it (vLLM's own
+    # tests build workers that way): no state split of ours, no rank being added.
+    _split: StateSplit | None = None
+    _remote_tp_rank_being_added: int | None = None
+    _lease_margin_s: float = lease.DEFAULT_MARGIN_S
+
     def __init__(self, vllm_config, engine_id: str, kv_cache_config: KVCacheConfig):
         """vLLM 0.33.0 ``NixlPullConnectorWorker.__init__``, then our state split.
 
@@ -109,23 +116,31 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         the same bytes of the local page. What changes: after upstream's
         constructor, a Mamba hybrid gets ``_state_split`` for this rank, and
         its local conv offsets are compared with upstream's
-        (``UnsupportedModelError`` if they differ, before any handshake).
-        Remove when: upstream reads replicated SSM groups right.
+        (``UnsupportedModelError`` if they differ, before any handshake). A
+        model whose state ``mamba_conv`` does not describe (Mamba1, MLA with
+        SSM, or a config whose dimensions do not give vLLM's state shapes)
+        keeps upstream's offsets, with a warning: 0.33 moves those, and
+        refusing them would take away what stock serves. Remove when:
+        upstream reads replicated SSM groups right.
         """
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._remote_tp_rank_being_added: int | None = None
-        # (remote engine, remote request id) -> when this worker last posted a heartbeat
-        self._heartbeats_posted: dict[tuple[str, str], float] = {}
         self._lease_margin_s = float(
             self.kv_transfer_config.get_from_extra_config("lease_margin_s", lease.DEFAULT_MARGIN_S)
         )
-        self._split: StateSplit | None = None
         if not self._has_mamba:
             return
         mamba_spec = next(
             spec for spec in self._layer_specs.values() if isinstance(spec, MambaSpec)
         )
-        split = derive_state_split(vllm_config, mamba_spec, self.world_size, self.tp_rank)
+        try:
+            split = derive_state_split(vllm_config, mamba_spec, self.world_size, self.tp_rank)
+        except UnsupportedModelError as e:
+            logger.warning(
+                "NixlHMAConnector: %s; its state is read at vLLM's own offsets, which are "
+                "wrong for conv B and C of a model with fewer SSM groups than the larger TP",
+                e,
+            )
+            return
         upstream_local = [(int(o), int(s)) for o, s in self._conv_decomp.local_conv_offsets]
         if split.local_conv_offsets != upstream_local or tuple(split.ssm_sizes) != tuple(
             int(s) for s in self._mamba_ssm_size
@@ -318,7 +333,7 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         remote = meta.remote
         if remote is None or remote.blocks_expiry_time is None:
             return None
-        offset = self._engine_clock_offset.get(remote.engine_id)
+        offset = getattr(self, "_engine_clock_offset", {}).get(remote.engine_id)
         if offset is None:  # no handshake yet: checked again once it is done
             return None
         extension = (self._recving_extra.get(remote.request_id) or {}).get(lease.EXTENSION_PARAM)
@@ -328,6 +343,11 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
             self._heartbeats_posted.get((remote.engine_id, remote.request_id)),
             extension,
         )
+
+    @functools.cached_property
+    def _heartbeats_posted(self) -> dict[tuple[str, str], float]:
+        """(remote engine, remote request id) -> when this worker last posted a heartbeat."""
+        return {}
 
     @functools.cached_property
     def _recving_extra(self) -> dict[str, dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 
 import vllm.distributed
 import vllm.distributed.parallel_state as parallel_state
@@ -44,8 +45,21 @@ def pytest_runtest_logreport(report):
         _outcomes.setdefault(report.nodeid, "passed")
 
 
+def _upstream_node_id(node_id: str) -> str:
+    """``node_id`` with our class names in its parameters put back to
+    upstream's (the swap plugin's ``NODE_ID_NAMES``; none in the stock run)."""
+    swap = sys.modules.get("nixl_hma_upstream_swap")
+    if swap is None or "[" not in node_id:
+        return node_id
+    function, params = node_id.split("[", 1)
+    for ours in sorted(swap.NODE_ID_NAMES, key=len, reverse=True):
+        params = params.replace(ours, swap.NODE_ID_NAMES[ours])
+    return f"{function}[{params}"
+
+
 def pytest_sessionfinish(session):
     path = os.environ.get("NIXL_HMA_UPSTREAM_REPORT")
     if path:
+        outcomes = {_upstream_node_id(node): outcome for node, outcome in _outcomes.items()}
         with open(path, "w") as out:
-            json.dump(_outcomes, out, indent=1, sort_keys=True)
+            json.dump(outcomes, out, indent=1, sort_keys=True)

@@ -194,6 +194,35 @@ def read_path_rows(quick: bool, progress) -> list[dict]:
     return rows
 
 
+def wait_done(agent, handle, timeout_s: float = 120.0) -> None:
+    """Poll a posted NIXL transfer until it ends; raise unless it ended DONE."""
+    deadline = time.monotonic() + timeout_s
+    while (state := agent.check_xfer_state(handle)) == "PROC":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"NIXL read did not finish in {timeout_s:.0f} s")
+    if state != "DONE":
+        raise RuntimeError(f"NIXL read ended {state}")
+
+
+def timed(action, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls of ``action``, after one warm-up call."""
+    action()
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def memcpy_seconds(num_bytes: int, repeats: int) -> list[float]:
+    """``numpy.copyto`` of ``num_bytes``: seconds of ``repeats`` copies after a warm-up."""
+    import numpy as np
+
+    source, target = np.ones(num_bytes, dtype=np.uint8), np.zeros(num_bytes, dtype=np.uint8)
+    return timed(lambda: np.copyto(target, source), repeats)
+
+
 class RawNixl:
     """Two NIXL agents configured as vLLM configures its own, one buffer
     each: a READ of ``num_bytes`` with one descriptor per side, or with
@@ -247,13 +276,10 @@ class RawNixl:
             source_descs = self.owner.get_xfer_descs(scattered[1], "DRAM")
         handle = self.reader.initialize_xfer("READ", target_descs, source_descs, self.owner_name)
         self.reader.transfer(handle)
-        deadline = time.monotonic() + 120
-        while (state := self.reader.check_xfer_state(handle)) == "PROC":
-            if time.monotonic() > deadline:
-                raise TimeoutError("raw NIXL read did not finish in 120 s")
-        self.reader.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL read ended {state}")
+        try:
+            wait_done(self.reader, handle)
+        finally:
+            self.reader.release_xfer_handle(handle)
 
     def close(self) -> None:
         if not bool(self.target[: self.num_bytes].all()):
@@ -336,14 +362,7 @@ def transfer_case(tokens: int, repeats: int, seed: int) -> dict:
                 samples["raw_scattered"].append(time.perf_counter() - started)
     finally:
         raw.close()
-    memcpy_source = np.ones(num_bytes, dtype=np.uint8)
-    memcpy_target = np.zeros(num_bytes, dtype=np.uint8)
-    samples["memcpy"] = []
-    for index in range(repeats + 1):
-        started = time.perf_counter()
-        np.copyto(memcpy_target, memcpy_source)
-        if index:
-            samples["memcpy"].append(time.perf_counter() - started)
+    samples["memcpy"] = memcpy_seconds(num_bytes, repeats)
     gbps = {name: num_bytes / statistics.median(s) / 1e9 for name, s in samples.items()}
     post_ms = {name: statistics.median(posts[name]) * 1e3 for name in WORKERS}
     return {
@@ -430,7 +449,6 @@ def harness_rows(quick: bool, progress) -> list[dict]:
 def harness_row(layout: str, measured: dict[str, list]) -> dict:
     """One table row from ours' and stock's long batches, with raw NIXL and
     memcpy moving the same bytes per batch."""
-    import numpy as np
 
     def median(name: str, value) -> float:
         return statistics.median(value(result) for result in measured[name])
@@ -439,23 +457,13 @@ def harness_row(layout: str, measured: dict[str, list]) -> dict:
     if ours.bytes != stock.bytes:
         raise RuntimeError(f"{layout}: ours moved {ours.bytes} B, stock {stock.bytes} B")
     num_bytes = ours.bytes
+    repeats = len(measured["ours"])
     raw = RawNixl(num_bytes)
-    raw_s = []
     try:
-        for index in range(len(measured["ours"]) + 1):
-            started = time.perf_counter()
-            raw.read()
-            if index:
-                raw_s.append(time.perf_counter() - started)
+        raw_s = timed(raw.read, repeats)
     finally:
         raw.close()
-    source, target = np.ones(num_bytes, dtype=np.uint8), np.zeros(num_bytes, dtype=np.uint8)
-    memcpy_s = []
-    for index in range(len(measured["ours"]) + 1):
-        started = time.perf_counter()
-        np.copyto(target, source)
-        if index:
-            memcpy_s.append(time.perf_counter() - started)
+    memcpy_s = memcpy_seconds(num_bytes, repeats)
     gbps = {name: num_bytes / median(name, lambda r: r.seconds) / 1e9 for name in measured}
     post_ms = {name: median(name, lambda r: r.post_ms) for name in measured}
     return {
@@ -576,15 +584,10 @@ def merge_read(reader, lists, ids) -> tuple[float, float, int]:
     started = time.perf_counter()
     handle = reader.make_prepped_xfer("READ", lists[0], ids[0], lists[1], ids[1])
     made = time.perf_counter()
-    reader.transfer(handle)
-    deadline = time.monotonic() + 120
-    while (state := reader.check_xfer_state(handle)) == "PROC":
-        if time.monotonic() > deadline:
-            raise TimeoutError("NIXL read did not finish in 120 s")
-    finished = time.perf_counter()
     try:
-        if state != "DONE":
-            raise RuntimeError(f"NIXL read ended {state}")
+        reader.transfer(handle)
+        wait_done(reader, handle)
+        finished = time.perf_counter()
         return made - started, finished - started, reader.get_xfer_telemetry(handle).descCount
     finally:
         reader.release_xfer_handle(handle)
@@ -606,14 +609,24 @@ def machine() -> str:
     )
 
 
+#: --only name -> (rows for the JSON, table title), in the order they run
+BENCHMARKS = {
+    "read_path": (read_path_rows, "read path (decode time per request, us)"),
+    "transfer": (transfer_rows, "transfer (GB/s)"),
+    "harness": (harness_rows, "harness (real engines, P TP 1 -> D TP 1, per batch)"),
+    "nixl_merge": (nixl_merge_rows, "NIXL merge (raw NIXL, 1201 logical blocks per read)"),
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument(
         "--only",
-        choices=("read_path", "transfer", "harness", "nixl_merge"),
-        help="run one benchmark (default: read_path and transfer on vLLM 0.21.0, harness on 0.33)",
+        choices=tuple(BENCHMARKS),
+        help="run one benchmark (default: read_path and transfer on vLLM 0.21.0, "
+        "harness and nixl_merge on 0.33)",
     )
     args = parser.parse_args(argv)
     from vllm_nixl_hma import _compat
@@ -631,18 +644,10 @@ def main(argv=None) -> int:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
 
     result: dict = {"machine": machine(), "vllm": _compat.installed_vllm_version()}
-    if "read_path" in wanted:
-        result["read_path"] = read_path_rows(args.quick, progress)
-        print_table("read path (decode time per request, us)", result["read_path"])
-    if "transfer" in wanted:
-        result["transfer"] = transfer_rows(args.quick, progress)
-        print_table("transfer (GB/s)", result["transfer"])
-    if "harness" in wanted:
-        result["harness"] = harness_rows(args.quick, progress)
-        print_table("harness (real engines, P TP 1 -> D TP 1, per batch)", result["harness"])
-    if "nixl_merge" in wanted:
-        result["nixl_merge"] = nixl_merge_rows(args.quick, progress)
-        print_table("NIXL merge (raw NIXL, 1201 logical blocks per read)", result["nixl_merge"])
+    for name, (rows_of, title) in BENCHMARKS.items():
+        if name in wanted:
+            result[name] = rows_of(args.quick, progress)
+            print_table(title, result[name])
     if args.json:
         print(json.dumps(result), file=json_stream)
     json_stream.close()

@@ -1070,12 +1070,20 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
 
     def _report_invalid_blocks_of(self, request_id: str) -> None:
         """Mark every local block of a failed request invalid, where the
-        scheduler can take them (upstream marks group 0 itself without HMA)."""
+        scheduler can take them: that is what makes vLLM 0.21.0's scheduler
+        fail or recompute the request (a request reported received with no
+        invalid block is decoded). Without HMA (one group: dense and
+        sliding-window models on 0.21.0) upstream's scheduler takes them
+        as they are; upstream marks group 0 itself at its own failure sites,
+        but not at ours (the lease, unpairable lists), so they are marked
+        here whatever the layout. With HMA only our schedulers can take
+        several groups' blocks."""
         from vllm_nixl_hma.scheduler import FACTORY_PATH
 
-        if not self._is_hma_required:
-            return
-        if self.vllm_config.scheduler_config.scheduler_cls != FACTORY_PATH:
+        if (
+            self._is_hma_required
+            and self.vllm_config.scheduler_config.scheduler_cls != FACTORY_PATH
+        ):
             logger.warning_once(
                 "NixlHMAConnector: KV of a hybrid request did not arrive, and the configured "
                 "scheduler cannot fail or recompute it; leave scheduler_cls unset to let "
@@ -1117,8 +1125,20 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
 
     def start_load_kv(self, metadata):
         """vLLM 0.21.0 ``NixlConnectorWorker.start_load_kv``, after noting the
-        lease ends the scheduler side attached (see the ledger)."""
+        lease ends the scheduler side attached (see the ledger), and after
+        giving a request with no local block one empty list per KV cache
+        group: vLLM hands such a request (a notify-only copy) over with no
+        group at all, and upstream's handshake-failure callback then raises
+        ``IndexError`` on ``local_block_ids[0]`` before it adds the request
+        to the failed set, so the request's metadata stayed behind forever.
+        With empty groups the callback runs to its end and ``get_finished``
+        drops the request (see the ledger)."""
         self._lease_deadlines.update(getattr(metadata, LEASE_DEADLINES_ATTR, {}))
+        config = getattr(self, "kv_cache_config", None)  # absent in workers built bare
+        num_groups = max(len(getattr(config, "kv_cache_groups", ())), 1)
+        for meta in getattr(metadata, "reqs_to_recv", {}).values():
+            if not meta.local_block_ids:
+                meta.local_block_ids = [[] for _ in range(num_groups)]
         super().start_load_kv(metadata)
 
     def _read_blocks_for_req(self, req_id: str, meta):

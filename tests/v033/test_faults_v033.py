@@ -107,13 +107,24 @@ def test_ours_refuses_to_read_past_prefills_lease_and_stock_reads_reused_blocks(
 
 
 def test_every_fault_of_the_check_is_handled_on_033(tmp_path):
-    """``vllm-nixl-hma check --faults``'s list on vLLM 0.33, for ours: every
-    request fails or is served intact, nothing wrong is delivered, nothing
-    leaks (as judged for 0.33: ``faults.for_installed_vllm``)."""
+    """``vllm-nixl-hma check --faults``'s list on vLLM 0.33, for ours, on every
+    model kind (dense, sliding window with and without HMA, the hybrid):
+    every request fails or is served intact, nothing wrong is delivered,
+    nothing leaks (as judged for 0.33: ``faults.for_installed_vllm``). The
+    mid-read kill stays in ``check --faults``, as on 0.21.0 (see
+    tests/integration/test_faults.py)."""
     from vllm_nixl_hma.harness import faults
 
-    results = faults.run_faults(faults.FAULTS, "NixlHMAConnector", tmp_path, lambda line: None)
-    assert [r.name for r in results] == [f.name for f in faults.FAULTS]
+    ci_faults = tuple(f for f in faults.FAULTS if not f.kill_prefill_mid_read)
+    results = faults.run_faults(ci_faults, "NixlHMAConnector", tmp_path, lambda line: None)
+    assert [(r.name, r.model) for r in results] == [
+        (f.name, kind.name) for f in ci_faults for kind in faults.MODEL_KINDS
+    ]
     for result in results:
         assert result.ok, result
         assert result.silently_wrong_slots == 0
+    failed = {(r.name, r.model): r.requests_failed for r in results}
+    for kind in faults.MODEL_KINDS:  # our own refusals, on every kind
+        assert failed[("expired-lease", kind.name)] == 3
+        assert failed[("late-read", kind.name)] == 3
+        assert failed[("unpairable", kind.name)] == 1

@@ -37,6 +37,10 @@ UNSUPPORTED_ARCHITECTURE = "UnsupportedArchitecture: "
 TRANSFER_TIMEOUT_S = 120.0
 LEASE_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
 SHORT_LEASE_S = 0.5
+#: the late-read fault: the lease ends this long after the reads may start
+#: (plus decode's margin); decode first polls this long after the lease end
+LATE_READ_HEADROOM_S = 2.0
+LATE_READ_POLL_AFTER_S = 0.5
 LOST_NOTIFICATION_LEASE_S = 2.0
 
 
@@ -55,6 +59,10 @@ class Scenario:
     #: three or more), a list no rounding explains: it must fail alone, the
     #: others arrive intact
     unpairable_first_request: bool = False
+    #: fault injection: the reads start inside prefill's lease, but decode
+    #: first asks what finished after the lease ended (a read that finished
+    #: late must not be trusted); the batch before it makes the handshake
+    late_read: bool = False
 
     def prompt_tokens(self, prefill_block_tokens: int, decode_block_tokens: int) -> list[int]:
         larger = max(prefill_block_tokens, decode_block_tokens)
@@ -99,6 +107,9 @@ class Cell:
     lose_notifications: bool = False
     # both engines run with --enable-prefix-caching
     prefix_caching: bool = False
+    # both engines run with the hybrid KV cache manager (False: one KV cache
+    # group, as vLLM 0.21.0 runs a dense or sliding-window model with a connector)
+    hma: bool = True
     # --block-size of each engine (None: the attention backend's choice)
     prefill_block_size: int | None = None
     decode_block_size: int | None = None
@@ -363,6 +374,7 @@ def run_cell(
                     "device": cell.device,
                     "enable_prefix_caching": cell.prefix_caching,
                     "block_size": block_size,
+                    "hma": cell.hma,
                 },
             )
     try:
@@ -444,6 +456,8 @@ def _run_scenario(
     pool.call_all(calls)
 
     lease_s = SHORT_LEASE_S if cell.expire_lease else LEASE_S
+    if scenario.late_read:
+        lease_s = lease.DEFAULT_MARGIN_S + LATE_READ_HEADROOM_S
     lease_deadline = lease.lease_deadline(time.time(), lease_s)
     # vLLM 0.33: the same deadline on prefill's perf_counter clock (one host:
     # the coordinator's), as our prefill glue exports it
@@ -503,8 +517,14 @@ def _run_scenario(
         serve_args.update(lease_s=LOST_NOTIFICATION_LEASE_S, drop_notifications=True)
     for index in serving:
         pool.send(index, "serve", serve_args)
+    load_args: dict[str, Any] = {"requests": load_requests, "timeout_s": TRANSFER_TIMEOUT_S}
+    if scenario.late_read:
+        # decode's "too late" starts lease_margin_s before the lease end
+        load_args["first_poll_at_wall_s"] = (
+            lease_deadline - lease.DEFAULT_MARGIN_S + LATE_READ_POLL_AFTER_S
+        )
     for index in d_ranks:
-        pool.send(index, "load", {"requests": load_requests, "timeout_s": TRANSFER_TIMEOUT_S})
+        pool.send(index, "load", load_args)
     if scenario.kill_prefill_after_s is not None:
         time.sleep(scenario.kill_prefill_after_s)
         for index in p_ranks:
@@ -525,6 +545,10 @@ def _run_scenario(
         result.prefill_released_by_expiry += served["released_by_expiry"]
     if load_error is not None:
         result.error = _first_line(load_error)
+        return
+    if scenario.late_read and not all(load["posted_before_poll"] for load in loads.values()):
+        # refused at the start instead: the late-read path was not reached
+        result.error = "the reads were not all posted inside the lease; no late read happened"
         return
     failed = {rid for load in loads.values() for rid in load["failed"]}
     not_done = {

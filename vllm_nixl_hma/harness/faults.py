@@ -4,6 +4,12 @@ Each fault is a cell with one thing broken. A fault passes when decode
 reports every affected request failed (within the transfer timeout), no
 delivered request holds a wrong slot, nothing was written outside requests,
 and no NIXL transfer handle or refused remote agent stays behind.
+
+Every fault runs on every model kind of ``MODEL_KINDS``: dense, sliding
+window with and without the hybrid KV cache manager, and the Mamba hybrid
+(which needs it). "Failed" means what vLLM's scheduler is told: on vLLM
+0.21.0 every local block of the request reported invalid (one group without
+HMA, every group with it), on 0.33 the request in ``failed_recving``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ class Fault:
     p_tp: int = 2
     d_tp: int = 1
     prefill_connector: str | None = None
-    prefill_layout: str | None = None
+    #: prefill serves another model layout (``MISMATCHED``)
+    mismatched_prefill: bool = False
     dead_side_channel: bool = False
     kill_prefill: bool = False
     expire_lease: bool = False
@@ -43,13 +50,46 @@ class Fault:
     expect_served: bool = False
     #: decode may keep the dead prefill engine's agent (vLLM 0.33: until engine_ttl)
     dead_engine_kept: bool = False
+    #: the reads start inside the lease and are first looked at after it ended
+    late_read: bool = False
+    #: the first request's attention list is cut to one block: it alone must fail
+    unpairable: bool = False
 
 
+@dataclass(frozen=True)
+class ModelKind:
+    """A layout of the check and whether its engines run the hybrid KV cache
+    manager (``hma``): vLLM 0.21.0 turns it off for a model without Mamba
+    layers when a connector is configured, and a user can turn it back on."""
+
+    layout: str
+    hma: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout}{'' if self.hma else ' (no HMA)'}"
+
+
+#: every fault runs on each: dense (one group, with or without HMA alike),
+#: sliding window with and without HMA, the Mamba hybrid (HMA only)
+MODEL_KINDS = (
+    ModelKind("dense", hma=False),
+    ModelKind("swa", hma=True),
+    ModelKind("swa", hma=False),
+    ModelKind("hybrid", hma=True),
+)
+#: the prefill model of the mismatched-layout fault, per decode layout: one
+#: SSM group instead of two, or attention pages of another head size
+MISMATCHED = {"hybrid": "hybrid-1group", "dense": ("dense", {"head_dim": 32})}
+MISMATCHED["swa"] = ("swa", {"head_dim": 32})
+
+
+RATIOS_DIFFER = ", where the kernel-per-logical ratios differ"
 FAULTS = (
     Fault(
         "stock-prefill",
-        "prefill runs stock NixlConnector (no handshake record) at P TP 2 -> D TP 1, "
-        "where the kernel-per-logical ratios differ",
+        "prefill runs stock NixlConnector (no handshake record) at P TP 2 -> D TP 1"
+        + RATIOS_DIFFER,
         prefill_connector="NixlConnector",
     ),
     Fault(
@@ -61,8 +101,9 @@ FAULTS = (
     ),
     Fault(
         "mismatched-layout",
-        "prefill serves another model layout (one SSM group, other state size)",
-        prefill_layout="hybrid-1group",
+        "prefill serves another model layout (hybrid: one SSM group, other state size; "
+        "dense and sliding window: another head size)",
+        mismatched_prefill=True,
     ),
     Fault(
         "prefill-killed",
@@ -82,6 +123,19 @@ FAULTS = (
         "prefill's lease runs out and it reuses the blocks before decode reads",
         p_tp=1,
         expire_lease=True,
+    ),
+    Fault(
+        "late-read",
+        "decode's reads start inside prefill's lease but are first seen finished after it "
+        "ended (a decode step that ran long): the KV is not trusted",
+        p_tp=1,
+        late_read=True,
+    ),
+    Fault(
+        "unpairable",
+        "the first request's attention block list from prefill is cut to one block, which no "
+        "rounding explains: that request fails alone, the other two arrive intact",
+        unpairable=True,
     ),
     Fault(
         "lost-notification",
@@ -115,11 +169,20 @@ class FaultResult:
     expect_served: bool = False
     prefill_released: int = 0
     slots_checked: int = 0
+    #: the model kind it ran on (``ModelKind.name``)
+    model: str = "hybrid"
+    #: how many requests must fail, at least and at most (None: every request
+    #: of the batch); the others must arrive intact
+    expect_failed: tuple[int, int] | None = None
 
     @property
     def ok(self) -> bool:
         if self.requests == 0 or self.silently_wrong_slots or self.leaked_handles:
             return False
+        if self.expect_failed is not None:
+            # that many fail, every other request arrives intact and is checked
+            least, most = self.expect_failed
+            return least <= self.requests_failed <= most and self.slots_checked > 0
         if self.expect_served:
             return self.error is None and self.requests_failed == 0 and self.slots_checked > 0
         if self.expect_delivered:
@@ -140,6 +203,7 @@ class FaultResult:
             "expect_served",
             "prefill_released",
             "slots_checked",
+            "expect_failed",
         ):
             row.pop(internal)
         return row
@@ -166,7 +230,22 @@ def for_installed_vllm(fault: Fault) -> Fault:
     return fault
 
 
-def _judge(fault: Fault, result: ScenarioResult) -> FaultResult:
+def for_model_kind(fault: Fault, kind: ModelKind) -> Fault:
+    """The fault as judged on a model kind. A stock prefill of a model
+    without Mamba layers has the kernel-per-logical ratio 1 at every TP, like
+    decode's: vLLM's metadata fixes every byte decode reads, and decode
+    serves it (``handshake.record_for_stock_peer``)."""
+    if fault.name == "stock-prefill" and kind.layout != "hybrid":
+        return replace(
+            fault,
+            description=fault.description.replace(RATIOS_DIFFER, "")
+            + "; without Mamba layers the ratios are equal: decode serves it",
+            expect_served=True,
+        )
+    return fault
+
+
+def _judge(fault: Fault, result: ScenarioResult, kind: ModelKind) -> FaultResult:
     return FaultResult(
         name=fault.name,
         requests_failed=result.requests_failed,
@@ -180,10 +259,24 @@ def _judge(fault: Fault, result: ScenarioResult) -> FaultResult:
         expect_served=fault.expect_served,
         prefill_released=result.prefill_released_by_expiry,
         slots_checked=result.slots_checked,
+        model=kind.name,
+        expect_failed=_expect_failed(fault, result),
     )
 
 
-KILL_AFTER_S = 0.05
+def _expect_failed(fault: Fault, result: ScenarioResult) -> tuple[int, int] | None:
+    if fault.unpairable:  # the cut request alone
+        return (1, 1)
+    if fault.kill_prefill_mid_read:
+        # a read that finished before the kill landed arrives intact: at least
+        # one must have been cut off (else the fault did not happen)
+        return (1, result.requests)
+    return None
+
+
+#: seconds after decode posted its reads (on loopback over TCP a sliding-window
+#: batch of 3 x 1200 blocks under HMA is read in about 0.05 s)
+KILL_AFTER_S = 0.02
 
 
 def _scenarios(fault: Fault) -> list[Scenario]:
@@ -193,7 +286,25 @@ def _scenarios(fault: Fault) -> list[Scenario]:
         return [Scenario("mid-block"), Scenario("mid-block")]
     if fault.dead_side_channel:
         return [Scenario("mid-block", dead_side_channel=True), Scenario("mid-block")]
+    if fault.late_read:  # the first batch makes the handshake
+        return [Scenario("mid-block"), Scenario("mid-block", late_read=True)]
+    if fault.unpairable:  # then a batch that must arrive whole
+        return [Scenario("mid-block", unpairable_first_request=True), Scenario("boundary")]
     return [Scenario("mid-block")]
+
+
+def _model_dirs(workdir: Path) -> dict[str, str]:
+    """Every installed layout's directory, and ``mismatched:LAYOUT`` for the
+    mismatched-layout fault's prefill model of each."""
+    layouts = installed_layouts()
+    dirs = {name: model_dir_for(config, workdir) for name, config in layouts.items()}
+    for layout, other in MISMATCHED.items():
+        if isinstance(other, str):
+            dirs[f"mismatched:{layout}"] = dirs[other]
+        else:
+            base, changes = other
+            dirs[f"mismatched:{layout}"] = model_dir_for({**layouts[base], **changes}, workdir)
+    return dirs
 
 
 def run_faults(
@@ -202,11 +313,11 @@ def run_faults(
     workdir: Path,
     progress: Callable[[str], None],
     env: dict[str, str] | None = None,
-    layout: str = "hybrid",
+    kinds: tuple[ModelKind, ...] = MODEL_KINDS,
 ) -> list[FaultResult]:
-    """``env``: extra environment of the rank processes (e.g. their log file)."""
-    layouts = installed_layouts()
-    model_dirs = {name: model_dir_for(layouts[name], workdir) for name in layouts}
+    """Every fault on every model kind, in that order. ``env``: extra
+    environment of the rank processes (e.g. their log file)."""
+    model_dirs = _model_dirs(workdir)
     size = max(f.p_tp + f.d_tp for f in faults)
     pool = RankPool(size, env)
     # reads slow enough (UCX over TCP) to be interrupted; its own processes
@@ -217,31 +328,37 @@ def run_faults(
     )
     results = []
     try:
-        for fault in map(for_installed_vllm, faults):
-            progress(f"fault {fault.name}: {fault.description}")
+        for kind, fault in (
+            (kind, for_model_kind(for_installed_vllm(f), kind)) for f in faults for kind in kinds
+        ):
+            progress(f"fault {fault.name} on {kind.name}: {fault.description}")
             cell = Cell(
-                layout=layout,
-                model_dir=model_dirs[layout],
+                layout=kind.layout,
+                model_dir=model_dirs[kind.layout],
+                hma=kind.hma,
                 p_tp=fault.p_tp,
                 d_tp=fault.d_tp,
                 connector=connector,
                 scenarios=_scenarios(fault),
                 prefill_connector=fault.prefill_connector,
-                prefill_model_dir=model_dirs[fault.prefill_layout]
-                if fault.prefill_layout
+                prefill_model_dir=model_dirs[f"mismatched:{kind.layout}"]
+                if fault.mismatched_prefill
                 else None,
                 kill_prefill_before_scenario=1 if fault.kill_prefill else None,
                 expire_lease=fault.expire_lease,
                 lose_notifications=fault.lose_notifications,
                 remote_agents_must_be_gone=not (
                     fault.expire_lease
+                    or fault.late_read
+                    or fault.unpairable
                     or fault.lose_notifications
                     or fault.expect_served
                     or fault.dead_engine_kept
                 ),
             )
             if fault.kill_prefill_mid_read:
-                cell.num_gpu_blocks = 4096
+                # room for the long prompts in every group (two with sliding window)
+                cell.num_gpu_blocks = 8192
             batches = run_cell(tcp_pool if fault.kill_prefill_mid_read else pool, cell, progress)
             if fault.kill_prefill or fault.kill_prefill_mid_read:
                 # a first batch establishes the handshake
@@ -249,17 +366,25 @@ def run_faults(
                 if not warmup.ok:
                     result.error = f"the batch before the fault failed: {warmup.error}"
                     result.requests_failed = 0
-                elif fault.kill_prefill_mid_read and result.seconds <= KILL_AFTER_S:
+                elif fault.kill_prefill_mid_read and (
+                    result.seconds <= KILL_AFTER_S or result.requests_failed == 0
+                ):
                     result.error = "the reads finished before prefill was killed"
                     result.requests_failed = 0
-            elif fault.dead_side_channel:  # decode must go on serving the live engine
+            elif fault.dead_side_channel or fault.unpairable:
+                # decode must go on serving the live engine, whole batches too
                 result, after = batches
                 if not after.ok:
                     result.error = f"the batch after the fault failed: {after.error}"
                     result.requests_failed = 0
+            elif fault.late_read:
+                warmup, result = batches
+                if not warmup.ok:
+                    result.error = f"the batch before the fault failed: {warmup.error}"
+                    result.requests_failed = 0
             else:
                 (result,) = batches
-            results.append(_judge(fault, result))
+            results.append(_judge(fault, result, kind))
     finally:
         pool.close()
         if tcp_pool is not None:
@@ -269,6 +394,7 @@ def run_faults(
 
 FAULT_COLUMNS = (
     ("fault", 23, lambda r: r.name),
+    ("model", 14, lambda r: r.model),
     ("reqs", 4, lambda r: r.requests),
     ("failed", 6, lambda r: r.requests_failed),
     ("recovered", 9, lambda r: r.requests_recovered),

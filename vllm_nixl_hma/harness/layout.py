@@ -34,7 +34,8 @@ Substitutions (kept narrow; each undone or local to this module):
    (``kv_cache_config``, ``attn_groups``, ``runner_only_attn_layers``, ``cache_config``,
    ``device="cpu"``); the methods are ``GPUModelRunner``'s own functions.
 4. ``build_vllm_config`` sets ``scheduler_config.disable_hybrid_kv_cache_manager = False`` after
-   building (vLLM forces it True on this CPU-only "unspecified" platform).
+   building (vLLM forces it True on this CPU-only "unspecified" platform), or True with
+   ``hma=False`` (what vLLM 0.21.0 chooses for a non-Mamba model with a KV connector).
 5. The KV cache layout (``get_kv_cache_layout``, lru-cached process-wide) is recomputed inside
    ``set_current_vllm_config(cfg)`` so the connector's required layout (HND for NIXL) applies,
    as in a GPU worker; the cached value is left in place for the connector worker to read.
@@ -123,6 +124,7 @@ def build_vllm_config(
     trust_remote_code: bool | None = None,
     device: str = "cpu",
     block_size: int | None = None,
+    hma: bool = True,
 ) -> VllmConfig:
     """A ``VllmConfig`` for one engine of TP ``tp_size``, with the block sizes a GPU worker sets.
 
@@ -174,8 +176,9 @@ def build_vllm_config(
             kv_buffer_device=device,
         ),
     )
-    # Substitution 4: CPU forces HMA off; the GPU engines we stand in for run with it on.
-    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    # Substitution 4: CPU forces HMA off; the GPU engines we stand in for run with it
+    # on (``hma=False``: as vLLM 0.21.0 runs a non-Mamba model with a connector).
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = not hma
     # What every GPU worker does right after it starts (substitution 2 for the backend).
     _platform_cls().update_block_size_for_backend(cfg)
     return cfg

@@ -45,6 +45,7 @@ class EngineSpec:
     device: str = "cpu"
     enable_prefix_caching: bool = False
     block_size: int | None = None  # --block-size
+    hma: bool = True  # False: --disable-hybrid-kv-cache-manager
 
 
 class RankEngine:
@@ -71,6 +72,7 @@ class RankEngine:
             device=spec.device,
             enable_prefix_caching=spec.enable_prefix_caching,
             block_size=spec.block_size,
+            hma=spec.hma,
         )
         if spec.device == "cuda":
             import torch
@@ -330,7 +332,9 @@ def handle(engine: RankEngine | None, command: str, args: dict[str, Any]):
             args.get("drop_notifications", False),
         )
     if command == "load":
-        return engine, _load(engine, args["requests"], args["timeout_s"])
+        return engine, _load(
+            engine, args["requests"], args["timeout_s"], args.get("first_poll_at_wall_s")
+        )
     if command == "verify":
         import numpy as np
 
@@ -405,8 +409,27 @@ def _serve(
     }
 
 
-def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
-    """Decode: read every request through the connector; count what moved."""
+def _refused(worker) -> set[str]:
+    """Requests the worker failed before reading (0.21.0's set, or 0.33's)."""
+    failed = getattr(worker, "_failed_recv_reqs", None)
+    if failed is None:
+        failed = getattr(worker, "_recv_failures", ())
+    return set(tuple(failed))
+
+
+def _load(
+    engine: RankEngine,
+    requests: list[dict[str, Any]],
+    timeout_s: float,
+    first_poll_at_wall_s: float | None = None,
+) -> dict[str, Any]:
+    """Decode: read every request through the connector; count what moved.
+
+    ``first_poll_at_wall_s`` (the late-read fault): once every read is
+    posted, nobody asks the worker what finished until that wall-clock time,
+    as a decode engine busy with a long step would not; ``posted_before_poll``
+    says whether every read was posted first (else the fault never happened).
+    """
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlConnectorMetadata,
     )
@@ -444,8 +467,19 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
     wanted = {r["request_id"] for r in requests}
     deadline = time.monotonic() + timeout_s
     posting = _PostTimer(worker)
+    posted_before_poll = None
     try:
         posting.start_load_kv(metadata)
+        if first_poll_at_wall_s is not None:
+            # the handshake is made already (an earlier batch): the reads go out
+            # within a step or two; then the first poll waits
+            while set(worker._recving_transfers) != wanted and time.monotonic() < deadline:
+                if _refused(worker) & wanted:
+                    break
+                posting.start_load_kv(NixlConnectorMetadata())
+                time.sleep(POLL_SECONDS)
+            posted_before_poll = set(worker._recving_transfers) == wanted
+            time.sleep(max(first_poll_at_wall_s - time.time(), 0.0))
         while done | failed != wanted and time.monotonic() < deadline:
             posting.start_load_kv(NixlConnectorMetadata())
             if V033:  # failures come back per request, beside the finished ones
@@ -466,6 +500,7 @@ def _load(engine: RankEngine, requests: list[dict[str, Any]], timeout_s: float) 
     return {
         "done": sorted(done),
         "failed": sorted(failed),
+        "posted_before_poll": posted_before_poll,
         # what vLLM's scheduler would be told to fail or recompute
         "invalid_block_ids": sorted(worker.get_block_ids_with_load_errors()),
         "seconds": seconds,

@@ -1,0 +1,122 @@
+"""What the 0.21.0 worker tells vLLM's scheduler about a request it will not
+read, on one KV cache group (no HMA: every dense and sliding-window model
+vLLM 0.21.0 runs with a connector) as on several.
+
+Real ``NixlHMAConnectorWorker`` methods and vLLM 0.21.0's own
+``start_load_kv`` / ``_background_nixl_handshake`` on a worker built around
+real KV cache specs (``harness.read_path``); only the NIXL agent is a fake.
+The harness (``check --faults``) and e2e prove the same paths on real bytes
+and real engines.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    RemoteMeta,
+    ReqMeta,
+)
+
+from tests.reference import FULL, MAMBA, SWA
+from vllm_nixl_hma import NixlHMAConnectorWorker
+from vllm_nixl_hma.harness.read_path import build_read_path_worker
+from vllm_nixl_hma.scheduler import FACTORY_PATH
+
+
+def worker_for(mocker, kinds, hma: bool, with_remote: bool = True):
+    worker = build_read_path_worker(
+        NixlHMAConnectorWorker,
+        kinds,
+        1,
+        1,
+        mocker.Mock(),
+        logical_blocks=64,
+        with_remote=with_remote,
+    )
+    worker._is_hma_required = hma
+    worker.vllm_config = mocker.Mock()
+    worker.vllm_config.scheduler_config.scheduler_cls = FACTORY_PATH
+    return worker
+
+
+def request_meta(local_block_ids, engine_id="prefill-engine") -> ReqMeta:
+    return ReqMeta(
+        local_block_ids=local_block_ids,
+        local_physical_block_ids=[],
+        tp_size=1,
+        remote=RemoteMeta(
+            block_ids=[[5, 6, 7]],
+            host="127.0.0.1",
+            port=5600,
+            engine_id=engine_id,
+            request_id="p-1",
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kinds", "hma", "local_block_ids"),
+    [
+        ([FULL], False, [[3, 4, 5]]),  # dense, or sliding window folded into one group
+        ([FULL, SWA], True, [[3, 4, 5], [0, 8, 9]]),  # sliding window under HMA
+        ([FULL, MAMBA], True, [[3, 4, 5], [11]]),  # Mamba hybrid
+    ],
+)
+def test_every_local_block_of_a_request_it_will_not_read_is_reported(
+    mocker, kinds, hma, local_block_ids
+):
+    """Our own refusals (the lease, a late read, unpairable lists) rely on
+    this report: without it vLLM 0.21.0 decodes the request on blocks nobody
+    filled. Before the fix a one-group worker reported nothing."""
+    worker = worker_for(mocker, kinds, hma)
+    worker._recving_metadata["req-1"] = request_meta(local_block_ids)
+    worker._report_invalid_blocks_of("req-1")
+    expected = {b for group in local_block_ids for b in group} - {0}  # 0: the null block
+    assert worker._invalid_block_ids == expected
+
+
+def test_under_hma_a_foreign_scheduler_gets_no_report_and_a_warning(mocker):
+    """vLLM 0.21.0's own scheduler raises on several groups' invalid blocks;
+    the worker says once that it cannot report instead."""
+    worker = worker_for(mocker, [FULL, MAMBA], True)
+    worker.vllm_config.scheduler_config.scheduler_cls = "my.Scheduler"
+    worker._recving_metadata["req-1"] = request_meta([[3], [11]])
+    warning = mocker.patch("vllm_nixl_hma.worker.logger.warning_once")
+    worker._report_invalid_blocks_of("req-1")
+    assert worker._invalid_block_ids == set()
+    warning.assert_called_once()
+
+
+def test_a_notify_only_request_whose_handshake_fails_leaves_nothing_behind(mocker):
+    """vLLM hands over a request with no group at all (the serving layer's
+    pre-aborted copy after an error answer). Upstream's handshake-failure
+    callback indexes ``local_block_ids[0]`` without HMA: before the fix it
+    raised ``IndexError`` there, the request never reached the failed set,
+    and its metadata stayed in the worker for good."""
+    worker = worker_for(mocker, [FULL], False, with_remote=False)
+    worker._handshake_futures = {}
+    worker._handshake_lock = threading.RLock()
+    worker._handshake_initiation_executor = ThreadPoolExecutor(1)
+    worker._ready_requests = queue.Queue()
+    worker._reqs_to_process = set()
+    worker._reqs_to_send = {}
+    # what an unreachable side channel ends in
+    mocker.patch.object(worker, "_nixl_handshake", side_effect=TimeoutError("no answer in 5 s"))
+    metadata = NixlConnectorMetadata()
+    metadata.reqs_to_recv["req-notify"] = request_meta([], engine_id="prefill-unmet")
+    errors = []
+    callback_logger = mocker.patch("concurrent.futures._base.LOGGER")
+    callback_logger.exception.side_effect = lambda *args, **kwargs: errors.append(args)
+    worker.start_load_kv(metadata)
+    worker._handshake_initiation_executor.shutdown(wait=True)
+    assert errors == []  # no callback raised
+    # the callback ran to its end: the request is failed, so get_finished
+    # (which drops a request the scheduler does not await) takes it out
+    assert worker._failed_recv_reqs == {"req-notify"}
+    assert not worker._kv_awaited("req-notify")
+    assert worker._invalid_block_ids == set()

@@ -9,7 +9,14 @@ and breaks the transfer before decode reads:
   met, at a side-channel port nobody listens on, so the handshake cannot complete;
 * ``lease-expired``: the params carry a prefill lease that ended a minute ago
   (as prefill's own would after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``), so the
-  blocks may hold another request's KV.
+  blocks may hold another request's KV;
+* ``unpairable-block-lists``: every block list of the params is cut to its
+  first block (as a client may send them: ``kv_transfer_params`` is part of
+  the request body), so decode's blocks cannot be paired with prefill's.
+
+A read that finishes after the lease cannot be arranged through engines on
+one host (loopback reads finish within a step); the check harness injects it
+(``vllm-nixl-hma check --faults``: ``late-read``).
 
 Under ``fail`` the answer must be an error; under ``recompute`` the reference
 tokens. Never HTTP 200 with other tokens. Then the same decode engine must serve
@@ -28,7 +35,7 @@ from vllm_nixl_hma.e2e.servers import HTTPResult, post_json
 
 __all__ = ["FAULTS", "POLICIES", "FaultResult", "broken_params", "decode", "prefill", "verdict"]
 
-FAULTS = ("side-channel-unreachable", "lease-expired", "prefill-killed")
+FAULTS = ("side-channel-unreachable", "lease-expired", "unpairable-block-lists", "prefill-killed")
 POLICIES = ("fail", "recompute")
 
 
@@ -57,6 +64,13 @@ def broken_params(name: str, params: dict[str, Any], dead_port: int) -> dict[str
         params["remote_port"] = dead_port
     elif name == "lease-expired":
         params[lease.PARAM] = time.time() - 60.0
+    elif name == "unpairable-block-lists":
+        # one group (no HMA) is a flat list of ids, several a list per group
+        ids = params["remote_block_ids"]
+        if ids and all(isinstance(group, list) for group in ids):
+            params["remote_block_ids"] = [group[:1] for group in ids]
+        else:
+            params["remote_block_ids"] = ids[:1]
     return params
 
 

@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also break transfers (prefill killed, side channel unreachable, lease ended) "
         "under kv_load_failure_policy fail and recompute",
     )
+    e2e.add_argument(
+        "--cpu-amx",
+        choices=("host", "amx", "no-amx"),
+        default="host",
+        help="what vLLM's CPU fused-MoE layer is told about AMX when it picks its kernels "
+        "(float32 with AMX: plain torch; without: grouped GEMM); 'host' (default) tells "
+        "the truth, the others run the other path on any x86 host",
+    )
     e2e.add_argument("--start-timeout", type=float, default=900.0, metavar="S")
     e2e.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     e2e.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -223,7 +231,7 @@ def render_table(results, faults=()) -> str:
             lines.extend(f"    {example}" for example in r.examples[:3])
         for f in failed_faults:
             lines.append(
-                f"FAILED fault {f.name}: {f.requests_failed}/{f.requests} failed, "
+                f"FAILED fault {f.name} on {f.model}: {f.requests_failed}/{f.requests} failed, "
                 f"{f.silently_wrong_slots} silently wrong slots, {f.leaked_handles} leaked"
                 + (f" ({f.error})" if f.error else "")
             )
@@ -326,6 +334,12 @@ def render_e2e(report: dict) -> str:
         f"{report['p_tp']} (ratio {report['remote_ratio']}) -> decode TP {report['d_tp']} "
         f"(ratio {report['local_ratio']})"
     ]
+    cpu = report.get("cpu") or {}
+    if cpu.get("moe_paths"):
+        amx = {True: "yes", False: "no", None: "unknown"}[cpu.get("host_amx")]
+        told = "" if cpu.get("amx_told", "host") == "host" else f", told {cpu['amx_told']}"
+        paths = ", ".join(f"{name} {'/'.join(p)}" for name, p in cpu["moe_paths"].items())
+        lines.append(f"CPU fused MoE (host AMX {amx}{told}): {paths}")
     lines += render_rows(E2E_COLUMNS, report["prompts"])
     failed = [r for r in report["prompts"] if not (r["match"] and r["http_status"] == 200)]
     for r in failed:
@@ -364,6 +378,7 @@ def run_e2e_command(args: argparse.Namespace) -> int:
         p_tp=args.prefill_tp,
         d_tp=args.decode_tp,
         kernel_block_tokens=None if args.no_cpu_kernel_block else 16,
+        cpu_amx=args.cpu_amx,
         start_timeout_s=args.start_timeout,
         request_timeout_s=args.request_timeout,
         faults=FAULT_NAMES if args.faults else (),
@@ -375,6 +390,8 @@ def run_e2e_command(args: argparse.Namespace) -> int:
     if json_stream is not None:
         print(json.dumps(report), file=json_stream)
         json_stream.close()
+    if report.get("start_failure") and not report["prompts"]:
+        return ExitCode.NOTHING_RAN
     return ExitCode.OK if report["ok"] else ExitCode.MISMATCHES
 
 

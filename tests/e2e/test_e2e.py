@@ -26,33 +26,69 @@ def e2e(tmp_path, **options):
     return report, "\n".join(lines) + "\n" + json.dumps(report, indent=1)
 
 
-def test_ours_heterogeneous_hybrid_matches_one_engine_and_fails_closed(tmp_path):
-    """Prefill TP 2 -> decode TP 1, GatedDeltaNet + attention, unequal ratios;
-    then every fault under both failure policies: a handshake that cannot
-    complete, a lease that ran out (once took the fail-policy decode engine
-    down), prefill killed before decode reads. After each, the same decode
-    engine must answer the next request right."""
-    report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=FAULTS)
-    assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
-    assert len(report["prompts"]) == 9
+def assert_every_prompt_matches(report, log):
+    assert len(report["prompts"]) == 9, log
     # seven completions, then one chat prompt answered whole and streamed
     assert [p["api"] for p in report["prompts"]][-3:] == ["completions", "chat", "chat-stream"]
     for prompt in report["prompts"]:
         assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
+
+
+def assert_every_fault_fails_closed(report, log):
+    """Every fault under both policies: an error under ``fail``, the
+    reference's tokens under ``recompute``, never HTTP 200 with other tokens;
+    then the same decode engine answers the next request right."""
     assert {(f["name"], f["policy"]) for f in report["faults"]} == {
         (name, policy) for name in FAULTS for policy in POLICIES
-    }
+    }, log
     for fault in report["faults"]:
-        assert fault["outcome"] != "wrong tokens", fault
+        assert fault["outcome"] != "wrong tokens", (fault, log)
         expected = "error" if fault["policy"] == "fail" else "recomputed"
-        assert fault["outcome"] == expected, fault
-        assert fault["next_request_ok"], fault
-        assert fault["ok"], fault
+        assert fault["outcome"] == expected, (fault, log)
+        assert fault["next_request_ok"], (fault, log)
+        assert fault["ok"], (fault, log)
+
+
+def assert_moe_path(report, engines, amx: bool):
+    """The fused-MoE path each engine logged is the one for what it was told."""
+    from vllm_nixl_hma.e2e import cpu_moe
+
+    seen = report["cpu"]["moe_paths"]
+    for engine in engines:
+        assert seen.get(engine) == [cpu_moe.expected_path(amx)], (engine, report["cpu"])
+
+
+def test_ours_heterogeneous_hybrid_matches_one_engine_and_fails_closed(tmp_path):
+    """Prefill TP 2 -> decode TP 1, GatedDeltaNet + attention, unequal ratios;
+    then every fault under both failure policies: a handshake that cannot
+    complete, a lease that ran out (once took the fail-policy decode engine
+    down), block lists that cannot be paired, prefill killed before decode
+    reads. Its MoE layer runs this host's own path."""
+    report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=FAULTS)
+    assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
+    assert_every_prompt_matches(report, log)
+    assert_every_fault_fails_closed(report, log)
+    assert_moe_path(report, ("reference", "prefill", "decode"), report["cpu"]["host_amx"])
     assert report["ok"]
 
 
 def test_stock_cannot_serve_the_hybrid(tmp_path):
-    report, log = e2e(tmp_path, connector="NixlConnector", p_tp=2, d_tp=1)
+    """Stock refuses the hybrid at start. Its run also starts the reference
+    engine on the other kind of host's MoE path (told AMX where the host has
+    none, and the other way round): the path the hybrid test does not take."""
+    from vllm_nixl_hma.e2e import cpu_moe
+
+    other_amx = not cpu_moe.host_has_amx()
+    report, log = e2e(
+        tmp_path,
+        connector="NixlConnector",
+        p_tp=2,
+        d_tp=1,
+        cpu_amx="amx" if other_amx else "no-amx",
+    )
+    assert_moe_path(report, ("reference",), other_amx)
+    assert report["start_failure"]["engine"] == "prefill", log
+    assert "GDN_ATTN" in report["start_failure"]["last_error"], log
     assert not report["ok"]
     # its worker refuses GatedDeltaNet state at start; were it to start, no prompt
     # may pass as a match
@@ -72,19 +108,26 @@ def stock_first_handshake_went_unanswered(workdir) -> bool:
     return "handshake_setup_failed" in text and "zmq.error.Again" in text
 
 
-@pytest.mark.parametrize("connector", ["NixlHMAConnector", "NixlConnector"])
-def test_dense_both_connectors_match(tmp_path, connector):
-    """The harness is not hostile to stock: a dense model at equal TP passes for
-    both. Stock gets a second run only when its first failed on its one-shot
-    first handshake (nothing else), and says so; ours gets one run."""
+def test_ours_dense_matches_one_engine_and_fails_closed(tmp_path):
+    """Dense Llama, 1 -> 1, without HMA (vLLM 0.21.0 turns it off for a model
+    without Mamba layers when a connector is configured): every prompt, then
+    every fault under both policies. Before issue #21's fix the lease refusal
+    answered HTTP 200 with tokens computed on blocks nobody filled."""
+    report, log = e2e(tmp_path, model="dense", p_tp=1, d_tp=1, faults=FAULTS)
+    assert_every_prompt_matches(report, log)
+    assert_every_fault_fails_closed(report, log)
+    assert report["ok"]
+
+
+def test_stock_dense_matches(tmp_path):
+    """The harness is not hostile to stock: a dense model at equal TP passes.
+    Stock gets a second run only when its first failed on its one-shot first
+    handshake (nothing else), and says so."""
+    connector = "NixlConnector"
     first = tmp_path / "first"
     first.mkdir()
     report, log = e2e(first, model="dense", connector=connector, p_tp=1, d_tp=1)
-    if (
-        not report["ok"]
-        and connector == "NixlConnector"
-        and stock_first_handshake_went_unanswered(first)
-    ):
+    if not report["ok"] and stock_first_handshake_went_unanswered(first):
         print(f"stock's first handshake went unanswered in 5 s (see {first}); running again")
         second = tmp_path / "second"
         second.mkdir()

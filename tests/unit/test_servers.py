@@ -139,3 +139,55 @@ def test_ctrl_c_or_sigterm_to_the_runner_stops_every_server(tmp_path, signum):
         if runner.poll() is None:
             runner.kill()
     wait_until_gone(pgid, port)
+
+
+#: the tail of a real reference.log whose engine died at start (AMX host, float32 MoE)
+DYING = textwrap.dedent(
+    """
+    import sys
+    print("(Worker pid=4752) ERROR 12-01 17:15:16 [multiproc_executor.py:962] "
+          "AssertionError: Current vLLM config is not set.")
+    print("(EngineCore pid=4742) RuntimeError: Worker failed with error 'Current vLLM "
+          "config is not set.', please check the stack trace above for the root cause")
+    print("(APIServer pid=4730)     raise RuntimeError(")
+    print("(APIServer pid=4730) RuntimeError: Engine core initialization failed. See root "
+          "cause above. Failed core proc(s): {'EngineCore': 1}")
+    sys.exit(1)
+    """
+)
+
+
+def test_an_engine_that_dies_while_starting_is_named_with_its_root_cause(tmp_path):
+    from vllm_nixl_hma.e2e.servers import EngineStartError
+
+    with ServerSet(tmp_path) as servers:
+        server = servers.start(
+            "reference", free_port(), [sys.executable, "-c", DYING], dict(os.environ)
+        )
+        with pytest.raises(EngineStartError) as raised:
+            server.wait_ready(60)
+    error = raised.value
+    assert (error.engine, error.exit_code) == ("reference", 1)
+    # the cause, not vLLM's "see root cause above" wrapper
+    assert error.last_error.startswith("RuntimeError: Worker failed with error 'Current vLLM")
+    assert str(error).count("\n") == 0 and str(tmp_path / "reference.log") in str(error)
+
+
+def test_e2e_exits_5_with_one_line_when_the_reference_cannot_start(tmp_path, mocker, capsys):
+    """Through the command: no traceback, exit code 5 (nothing could run)."""
+    from vllm_nixl_hma import cli
+    from vllm_nixl_hma.e2e import servers
+
+    model = tmp_path / "model"
+    model.mkdir()
+    mocker.patch.object(
+        servers.EngineSpec, "command", lambda self: [sys.executable, "-c", DYING]
+    )
+    code = cli.main(["e2e", "--model", str(model), "--start-timeout", "60"])
+    err = capsys.readouterr().err
+    assert code == cli.ExitCode.NOTHING_RAN == 5
+    failed = [line for line in err.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and failed[0].startswith(
+        "FAILED: reference engine exited with code 1 while starting: RuntimeError: Worker failed"
+    ), err
+    assert "Traceback" not in err

@@ -24,6 +24,7 @@ from typing import Any
 from vllm_nixl_hma.e2e.servers import (
     MAX_MODEL_LEN,
     EngineSpec,
+    EngineStartError,
     HTTPResult,
     ServerSet,
     post_json,
@@ -35,6 +36,17 @@ __all__ = ["E2EOptions", "PromptResult", "run_e2e"]
 MAX_TOKENS = 8
 #: the prompt every fault is injected into: several logical blocks on both sides
 FAULT_PROMPT_TOKENS = 600
+
+
+def fault_prompt_tokens(name: str) -> int:
+    """Each fault's own prompt length (``FAULT_PROMPT_TOKENS`` and up): a
+    decode engine with prefix caching (vLLM's default for a dense model)
+    must not find the previous fault's prompt cached and read less."""
+    from vllm_nixl_hma.e2e.faults import FAULTS
+
+    return FAULT_PROMPT_TOKENS + 7 * FAULTS.index(name)
+
+
 KERNEL_BLOCK_TOKENS = 16
 #: the chat prompt's length in tokens (the tiny models' tokenizer has a word per token)
 CHAT_PROMPT_TOKENS = 300
@@ -49,6 +61,8 @@ class E2EOptions:
     p_tp: int = 2
     d_tp: int = 1
     kernel_block_tokens: int | None = KERNEL_BLOCK_TOKENS
+    #: what the engines' CPU fused-MoE layer is told about AMX (``cpu_moe.CHOICES``)
+    cpu_amx: str = "host"
     start_timeout_s: float = 900.0
     request_timeout_s: float = 300.0
     #: names from ``faults.FAULTS`` to inject (prefill-killed runs last: it kills prefill)
@@ -148,9 +162,7 @@ def _tokens(result: HTTPResult) -> tuple[list[int], list[float]]:
 def run_e2e(
     options: E2EOptions, workdir: Path, progress: Callable[[str], None], verbose: bool = False
 ) -> dict[str, Any]:
-    from vllm_nixl_hma import proxy
     from vllm_nixl_hma.e2e.models import MODELS, ensure_model
-    from vllm_nixl_hma.harness.coordinator import free_port
 
     model_dir = (
         str(ensure_model(options.model)) if options.model in MODELS else str(Path(options.model))
@@ -165,132 +177,167 @@ def run_e2e(
         "remote_ratio": None,
         "prompts": [],
         "faults": [],
+        "cpu": {"host_amx": _host_amx(), "amx_told": options.cpu_amx, "moe_paths": {}},
+        "start_failure": None,
         "logs": str(workdir),
     }
-    engine = dict(model_dir=model_dir, kernel_block_tokens=options.kernel_block_tokens)
+    engine = dict(
+        model_dir=model_dir,
+        kernel_block_tokens=options.kernel_block_tokens,
+        cpu_amx=options.cpu_amx,
+    )
+    engines = []
     with ServerSet(workdir) as servers, _follow(workdir, verbose):
-        # 1. the reference: one engine, no connector
-        progress("starting the reference engine (TP 1, no connector)")
-        reference = servers.start_engine(EngineSpec("reference", port=free_port(), **engine))
-        reference.wait_ready(options.start_timeout_s)
-        # 2. prefill and decode
-        specs = [
-            EngineSpec(
-                role,
-                port=free_port(),
-                tp_size=tp,
-                connector=options.connector,
-                side_channel_port=free_port(),
-                **engine,
-            )
-            for role, tp in (("prefill", options.p_tp), ("decode", options.d_tp))
-        ]
-        results: list[PromptResult] = []
-        progress(
-            f"starting prefill (TP {options.p_tp}) and decode (TP {options.d_tp}) with "
-            f"{options.connector}"
-        )
-        if options.faults:  # a second decode engine, which recomputes what did not arrive
-            specs.append(
-                dataclasses.replace(
-                    specs[1],
-                    name="decode-recompute",
-                    port=free_port(),
-                    side_channel_port=free_port(),
-                    kv_load_failure_policy="recompute",
-                )
-            )
-        started = [servers.start_engine(spec) for spec in specs]
-        prefill, decode = started[:2]
         try:
-            for server in started:
-                server.wait_ready(options.start_timeout_s)
-        except (TimeoutError, RuntimeError) as e:
-            report["error"] = f"{e}; see {workdir}"
+            return _run_engines(options, report, servers, engines, engine, progress)
+        except EngineStartError as e:
+            report["start_failure"] = e.as_json()
+            report["error"] = str(e)
             progress(f"failed: {e}")
             return report
-        (prefill_block, prefill_kernel), (decode_block, decode_kernel) = (
-            prefill.block_tokens(),
-            decode.block_tokens(),
+        finally:
+            report["cpu"]["moe_paths"] = {
+                server.name: paths for server in engines if (paths := server.cpu_moe_paths())
+            }
+
+
+def _host_amx() -> bool | None:
+    try:
+        from vllm_nixl_hma.e2e import cpu_moe
+
+        return cpu_moe.host_has_amx()
+    except ImportError:  # no torch here
+        return None
+
+
+def _run_engines(options, report, servers, engines, engine, progress) -> dict[str, Any]:
+    """The reference, prefill and decode engines, the prompts and the faults;
+    every engine started is appended to ``engines``."""
+    from vllm_nixl_hma import proxy
+    from vllm_nixl_hma.harness.coordinator import free_port
+
+    # 1. the reference: one engine, no connector
+    progress("starting the reference engine (TP 1, no connector)")
+    reference = servers.start_engine(EngineSpec("reference", port=free_port(), **engine))
+    engines.append(reference)
+    reference.wait_ready(options.start_timeout_s)
+    # 2. prefill and decode
+    specs = [
+        EngineSpec(
+            role,
+            port=free_port(),
+            tp_size=tp,
+            connector=options.connector,
+            side_channel_port=free_port(),
+            **engine,
         )
-        if None in (prefill_block, prefill_kernel, decode_block, decode_kernel):
-            report["error"] = "an engine did not report its block size (log or /metrics)"
-            return report
-        report["remote_ratio"] = prefill_block // prefill_kernel
-        report["local_ratio"] = decode_block // decode_kernel
-        try:
-            lengths = prompt_lengths(prefill_block, decode_block)
-        except ValueError as e:
-            report["error"] = str(e)
-            return report
-        progress(
-            f"logical blocks: prefill {prefill_block} tokens (ratio {report['remote_ratio']}), "
-            f"decode {decode_block} tokens (ratio {report['local_ratio']}); prompts "
-            f"{lengths[0]}, then {lengths[1]} concurrently"
-        )
-        all_lengths = lengths[0] + lengths[1] + [FAULT_PROMPT_TOKENS]
-        progress(f"reference answers {len(all_lengths) + 1} prompts")
-        expected = {
-            n: post_json(
-                reference.url,
-                "/v1/completions",
-                completion(prompt_ids(n)),
-                options.request_timeout_s,
+        for role, tp in (("prefill", options.p_tp), ("decode", options.d_tp))
+    ]
+    results: list[PromptResult] = []
+    progress(
+        f"starting prefill (TP {options.p_tp}) and decode (TP {options.d_tp}) with "
+        f"{options.connector}"
+    )
+    if options.faults:  # a second decode engine, which recomputes what did not arrive
+        specs.append(
+            dataclasses.replace(
+                specs[1],
+                name="decode-recompute",
+                port=free_port(),
+                side_channel_port=free_port(),
+                kv_load_failure_policy="recompute",
             )
-            for n in all_lengths
-        }
-        expected_chat = post_json(
+        )
+    started = [servers.start_engine(spec) for spec in specs]
+    engines.extend(started)
+    prefill, decode = started[:2]
+    try:
+        for server in started:
+            server.wait_ready(options.start_timeout_s)
+    except TimeoutError as e:
+        report["error"] = f"{e}; see {report['logs']}"
+        progress(f"failed: {e}")
+        return report
+    (prefill_block, prefill_kernel), (decode_block, decode_kernel) = (
+        prefill.block_tokens(),
+        decode.block_tokens(),
+    )
+    if None in (prefill_block, prefill_kernel, decode_block, decode_kernel):
+        report["error"] = "an engine did not report its block size (log or /metrics)"
+        return report
+    report["remote_ratio"] = prefill_block // prefill_kernel
+    report["local_ratio"] = decode_block // decode_kernel
+    try:
+        lengths = prompt_lengths(prefill_block, decode_block)
+    except ValueError as e:
+        report["error"] = str(e)
+        return report
+    progress(
+        f"logical blocks: prefill {prefill_block} tokens (ratio {report['remote_ratio']}), "
+        f"decode {decode_block} tokens (ratio {report['local_ratio']}); prompts "
+        f"{lengths[0]}, then {lengths[1]} concurrently"
+    )
+    all_lengths = lengths[0] + lengths[1] + [fault_prompt_tokens(f) for f in options.faults]
+    progress(f"reference answers {len(all_lengths) + 1} prompts")
+    expected = {
+        n: post_json(
             reference.url,
-            "/v1/chat/completions",
-            chat(prompt_ids(CHAT_PROMPT_TOKENS)),
+            "/v1/completions",
+            completion(prompt_ids(n)),
             options.request_timeout_s,
         )
-        servers.stop(reference)
-        router = proxy.make_server(
-            proxy.PDRouter([prefill.url], [decode.url], options.request_timeout_s),
-            "127.0.0.1",
-            free_port(),
+        for n in all_lengths
+    }
+    expected_chat = post_json(
+        reference.url,
+        "/v1/chat/completions",
+        chat(prompt_ids(CHAT_PROMPT_TOKENS)),
+        options.request_timeout_s,
+    )
+    servers.stop(reference)
+    router = proxy.make_server(
+        proxy.PDRouter([prefill.url], [decode.url], options.request_timeout_s),
+        "127.0.0.1",
+        free_port(),
+    )
+    thread = threading.Thread(target=router.serve_forever, daemon=True)
+    thread.start()
+    router_url = f"http://127.0.0.1:{router.server_address[1]}"
+    try:
+        for n in lengths[0]:
+            progress(f"P/D prompt of {n} tokens")
+            results.append(_compare(n, expected[n], _pd(router_url, n, options), concurrent=False))
+        progress(f"P/D prompts of {lengths[1]} tokens, concurrently")
+        with ThreadPoolExecutor(len(lengths[1])) as pool:
+            answers = list(pool.map(lambda n: _pd(router_url, n, options), lengths[1]))
+        for n, answer in zip(lengths[1], answers, strict=True):
+            results.append(_compare(n, expected[n], answer, concurrent=True))
+        n = CHAT_PROMPT_TOKENS
+        progress(f"P/D chat prompt of {n} tokens, whole and streamed")
+        body = chat(prompt_ids(n))
+        answer = post_json(router_url, "/v1/chat/completions", body, options.request_timeout_s)
+        results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat"))
+        answer = post_stream(
+            router_url,
+            "/v1/chat/completions",
+            {**body, "stream": True},
+            options.request_timeout_s,
         )
-        thread = threading.Thread(target=router.serve_forever, daemon=True)
-        thread.start()
-        router_url = f"http://127.0.0.1:{router.server_address[1]}"
-        try:
-            for n in lengths[0]:
-                progress(f"P/D prompt of {n} tokens")
-                results.append(
-                    _compare(n, expected[n], _pd(router_url, n, options), concurrent=False)
-                )
-            progress(f"P/D prompts of {lengths[1]} tokens, concurrently")
-            with ThreadPoolExecutor(len(lengths[1])) as pool:
-                answers = list(pool.map(lambda n: _pd(router_url, n, options), lengths[1]))
-            for n, answer in zip(lengths[1], answers, strict=True):
-                results.append(_compare(n, expected[n], answer, concurrent=True))
-            n = CHAT_PROMPT_TOKENS
-            progress(f"P/D chat prompt of {n} tokens, whole and streamed")
-            body = chat(prompt_ids(n))
-            answer = post_json(router_url, "/v1/chat/completions", body, options.request_timeout_s)
-            results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat"))
-            answer = post_stream(
-                router_url,
-                "/v1/chat/completions",
-                {**body, "stream": True},
-                options.request_timeout_s,
+        results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat-stream"))
+    finally:
+        router.shutdown()
+        router.server_close()
+    if options.faults:
+        report["faults"] = [
+            f.as_json()
+            for f in _faults(
+                prefill,
+                {"fail": decode, "recompute": started[2]},
+                expected,
+                options,
+                progress,
             )
-            results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat-stream"))
-        finally:
-            router.shutdown()
-            router.server_close()
-        if options.faults:
-            report["faults"] = [
-                f.as_json()
-                for f in _faults(
-                    prefill,
-                    {"fail": decode, "recompute": started[2]},
-                    expected,
-                    options,
-                    progress,
-                )
-            ]
+        ]
     report["prompts"] = [r.as_json() for r in results]
     report["ok"] = (
         bool(results)
@@ -305,13 +352,13 @@ def _faults(prefill, decode_by_policy, expected, options, progress):
     from vllm_nixl_hma.e2e import faults
     from vllm_nixl_hma.harness.coordinator import free_port
 
-    body = completion(prompt_ids(FAULT_PROMPT_TOKENS))
-    expected_tokens, _ = _tokens(expected[FAULT_PROMPT_TOKENS])
     dead_port = free_port()  # nothing listens there
     t = options.request_timeout_s
     results = []
     for name in sorted(options.faults, key=faults.FAULTS.index):
         progress(f"fault {name}")
+        body = completion(prompt_ids(fault_prompt_tokens(name)))
+        expected_tokens, _ = _tokens(expected[fault_prompt_tokens(name)])
         params = {policy: faults.prefill(prefill.url, body, t) for policy in faults.POLICIES}
         if name == "prefill-killed":
             prefill.kill()

@@ -24,9 +24,11 @@ from typing import Any
 
 __all__ = [
     "EngineSpec",
+    "EngineStartError",
     "HTTPResult",
     "Server",
     "ServerSet",
+    "last_error_line",
     "post_json",
     "post_raw",
     "post_stream",
@@ -55,6 +57,8 @@ class EngineSpec:
     side_channel_port: int | None = None
     kv_load_failure_policy: str = "fail"
     kernel_block_tokens: int | None = 16
+    #: what vLLM's CPU fused-MoE layer is told about AMX (``cpu_moe.CHOICES``)
+    cpu_amx: str = "host"
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -107,7 +111,7 @@ class EngineSpec:
         return args
 
     def environment(self) -> dict[str, str]:
-        from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core
+        from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core, cpu_moe
 
         env = dict(os.environ)
         env.update(
@@ -123,6 +127,8 @@ class EngineSpec:
         env.pop(cpu_kernel_block.ENV, None)
         # no worker pinned to one shared core (see cpu_kv_core)
         env[cpu_kv_core.ENV] = "1"
+        # a MoE layer that can run in float32 on AMX hosts too (see cpu_moe)
+        env[cpu_moe.ENV] = self.cpu_amx
         if self.kernel_block_tokens:
             env[cpu_kernel_block.ENV] = str(self.kernel_block_tokens)
         if self.side_channel_port is not None:
@@ -168,13 +174,12 @@ class Server:
         return self.process.poll() is None
 
     def wait_ready(self, timeout_s: float, path: str = "/health") -> None:
-        """Until ``path`` answers 200; raises TimeoutError or RuntimeError (exited)."""
+        """Until ``path`` answers 200; raises ``EngineStartError`` (exited) or
+        TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(
-                    f"{self.name} exited with code {self.process.returncode} while starting"
-                )
+                raise EngineStartError(self)
             try:
                 connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 connection.request("GET", path)
@@ -215,6 +220,23 @@ class Server:
         metric = _BLOCK_SIZE.search(text) if status == 200 else None
         return (int(metric.group(1)),) * 2 if metric else (None, None)
 
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def cpu_moe_paths(self) -> list[str]:
+        """The fused-MoE paths this engine's processes logged (``cpu_moe``),
+        one per process and layer kind, in order, without repeats."""
+        from vllm_nixl_hma.e2e import cpu_moe
+
+        seen: list[str] = []
+        for path, _amx, _forced, _dtype in cpu_moe.paths_in_log(self.log_text()):
+            if path not in seen:
+                seen.append(path)
+        return seen
+
     def kill(self) -> None:
         """SIGKILL the whole group at once (fault injection)."""
         self._signal(signal.SIGKILL)
@@ -254,6 +276,46 @@ class Server:
             os.killpg(self.process.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+class EngineStartError(RuntimeError):
+    """An engine's process exited before it served: its name, exit code,
+    the last error line of its log, and the log's path, in one line."""
+
+    def __init__(self, server: Server):
+        self.engine = server.name
+        self.exit_code = server.process.returncode
+        self.last_error = last_error_line(server.log_text())
+        self.log_path = server.log_path
+        super().__init__(
+            f"{self.engine} engine exited with code {self.exit_code} while starting: "
+            f"{self.last_error or 'no error line in its log'} (log: {self.log_path})"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "exit_code": self.exit_code,
+            "last_error": self.last_error,
+            "log": str(self.log_path),
+        }
+
+
+#: the last line of a Python traceback, as vLLM's processes print it (a
+#: worker's or engine core's lines start with its "(Name pid=N)" prefix)
+_ERROR_LINE = re.compile(
+    r"^(?:\([^)]*\)\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit)\b(?::.*)?)$"
+)
+#: vLLM's front end ends every engine-core start failure with this wrapper
+_WRAPPER = "See root cause above"
+
+
+def last_error_line(text: str) -> str | None:
+    """The last exception line of a log that is not vLLM's "see root cause
+    above" wrapper (else the wrapper's), or None."""
+    found = [m.group(1).strip() for m in map(_ERROR_LINE.match, text.splitlines()) if m]
+    causes = [line for line in found if _WRAPPER not in line]
+    return (causes or found or [None])[-1]
 
 
 class ServerSet:

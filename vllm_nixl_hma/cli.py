@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default="hybrid",
         help="an embedded tiny model ('hybrid': Qwen3-Next-shaped GatedDeltaNet + attention; "
-        "'dense': Llama), made offline and cached, or a model directory",
+        "'dense': Llama; 'swa': Llama with a sliding-window layer), made offline and cached, "
+        "or a model directory",
     )
     e2e.add_argument("--connector", choices=CONNECTORS, default=CONNECTORS[0])
     e2e.add_argument("--prefill-tp", type=int, default=2)

@@ -120,6 +120,23 @@ def test_ours_dense_matches_one_engine_and_fails_closed(tmp_path):
     assert report["ok"]
 
 
+def test_ours_sliding_window_matches_one_engine_and_fails_closed(tmp_path):
+    """Llama with a sliding-window layer (64 tokens; every prompt but none is
+    longer), 1 -> 1, as vLLM 0.21.0 runs it with a connector: HMA off, the
+    window layer's blocks kept as full attention, its kernel still windowed.
+    Every prompt, then every fault under both policies."""
+    from pathlib import Path
+
+    report, log = e2e(tmp_path, model="swa", p_tp=1, d_tp=1, faults=FAULTS)
+    # vLLM saw the sliding window (and folded it into one group)
+    decode_log = (Path(tmp_path) / "decode.log").read_text(errors="replace")
+    assert "Hybrid KV cache manager is disabled for this hybrid model" in decode_log
+    assert_every_prompt_matches(report, log)
+    assert_every_fault_fails_closed(report, log)
+    assert_no_callback_raised(tmp_path)
+    assert report["ok"]
+
+
 def assert_no_callback_raised(workdir):
     """vLLM 0.21.0's handshake-failure callback raised IndexError on a request
     with no KV cache group (the serving layer's pre-aborted copy after an

@@ -180,9 +180,7 @@ def test_e2e_exits_5_with_one_line_when_the_reference_cannot_start(tmp_path, moc
 
     model = tmp_path / "model"
     model.mkdir()
-    mocker.patch.object(
-        servers.EngineSpec, "command", lambda self: [sys.executable, "-c", DYING]
-    )
+    mocker.patch.object(servers.EngineSpec, "command", lambda self: [sys.executable, "-c", DYING])
     code = cli.main(["e2e", "--model", str(model), "--start-timeout", "60"])
     err = capsys.readouterr().err
     assert code == cli.ExitCode.NOTHING_RAN == 5

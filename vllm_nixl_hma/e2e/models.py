@@ -3,8 +3,11 @@
 ``hybrid``: Qwen3-Next (GatedDeltaNet linear attention + full attention), one KV
 head (replicated at TP 2 while the GatedDeltaNet state is sharded, so the logical
 block size differs between TP 1 and TP 2), key and value parts of different sizes.
-``dense``: Llama. Both float32, with ``lm_head`` drawn wider than the rest so that
-greedy choices are rarely near-ties, and a word-level tokenizer over the vocabulary
+``dense``: Llama; ``swa``: the same Llama with its first layer attending
+over a sliding window of 64 tokens (``layer_types``, which vLLM's Llama reads;
+transformers' ignores it, so the weights are a plain Llama's). All float32,
+with ``lm_head`` drawn wider than the rest so that greedy choices are rarely
+near-ties, and a word-level tokenizer over the vocabulary
 (prompts are sent as token ids). vLLM's Qwen3-Next needs one MoE layer (layer 0).
 """
 
@@ -87,6 +90,15 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
+MODELS["swa"] = (
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    {
+        **MODELS["dense"][2],
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+)
 
 
 def default_cache_dir() -> Path:

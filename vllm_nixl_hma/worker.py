@@ -412,6 +412,8 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         before anything is read, as upstream does with a failed transfer
         setup. Remove when: vLLM >= 0.22.0 is the minimum.
         """
+        if request_id in self._failed_recv_reqs:
+            return  # refused on another remote rank already: nothing more is read
         if not blocks.has_local_blocks(read_spec.local_block_ids):
             # nothing to read, only prefill to notify: upstream recognizes that
             # by an empty list (start_load_kv gave such a request empty groups)
@@ -985,6 +987,17 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
 
     def _get_finished_locked(self) -> tuple[set[str], set[str], set[str]]:
         unregistered = set()
+        # A failed request whose read from another remote rank is still in
+        # flight is reported once that read ends (upstream's own pass then
+        # reports it): reported now as well, it came back finished a second
+        # time and upstream's "not found in recving_metadata" assert took the
+        # engine down (unpairable lists on one rank of a TP 2 prefill).
+        held = {
+            rid: self._recving_metadata.get(rid)
+            for rid in self._failed_recv_reqs
+            if self._recving_transfers.get(rid)
+        }
+        self._failed_recv_reqs.difference_update(held)
         for request_id in tuple(self._failed_recv_reqs):
             if not self._kv_awaited(request_id):
                 # the scheduler freed it already (see the ledger)
@@ -1005,6 +1018,11 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         for request_id in unregistered:
             self._recving_metadata.pop(request_id, None)
         done_sending, done_recving = super().get_finished()
+        for request_id, meta in held.items():
+            if request_id in done_recving:  # its last read ended: failed now
+                self._report_invalid_blocks_of(request_id, meta)
+            else:
+                self._failed_recv_reqs.add(request_id)
         return done_sending, done_recving, unregistered
 
     def _kv_awaited(self, request_id: str) -> bool:
@@ -1074,7 +1092,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             engine_id,
         )
 
-    def _report_invalid_blocks_of(self, request_id: str) -> None:
+    def _report_invalid_blocks_of(self, request_id: str, meta=None) -> None:
         """Mark every local block of a failed request invalid, where the
         scheduler can take them: that is what makes vLLM 0.21.0's scheduler
         fail or recompute the request (a request reported received with no
@@ -1096,7 +1114,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
                 "vllm_nixl_hma select one that can"
             )
             return
-        meta = self._recving_metadata.get(request_id)
+        meta = meta or self._recving_metadata.get(request_id)
         if meta is None:
             return
         self._invalid_block_ids.update(

@@ -4,7 +4,7 @@ No vLLM, no torch: numpy and the standard library only, so every rule here
 is tested exhaustively and with hypothesis against a reference written in
 token positions (tests/property/).
 
-Terms (design.md section 2):
+Terms (docs/design.md section 2):
 
 * a *logical* block is what the scheduler hands out; one logical block ``L``
   of a side whose kernel-per-logical ratio is ``r`` is the kernel blocks
@@ -156,7 +156,7 @@ def align_kernel_ids_by_group(
     Returns two lists of equal-length id arrays: element ``i`` of the local
     array of a group receives element ``i`` of the remote array.
 
-    Rules (design.md section 3):
+    Rules (docs/design.md section 3):
 
     * Mamba groups: whole states, never expanded; counts must be equal.
     * Attention groups, ratios differ (a Mamba hybrid with heterogeneous TP,

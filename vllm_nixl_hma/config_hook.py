@@ -12,7 +12,7 @@ What it does for a Mamba hybrid (attention + Mamba/SSM layers):
 
 * turns prefix caching off, with one warning line, because kernel blocks of a
   hybrid cannot be paired across prefill and decode with different
-  kernel-per-logical ratios after a prefix-cache hit (design.md section 3);
+  kernel-per-logical ratios after a prefix-cache hit (docs/design.md section 3);
 * turns HMA on when the user expressed no preference and the platform
   supports it (vLLM 0.21.0 turns HMA off whenever a KV connector is set,
   unless --no-disable-hybrid-kv-cache-manager is given);

@@ -1,4 +1,4 @@
-"""Examples for vllm_nixl_hma.blocks: design.md section 3, row by row."""
+"""Examples for vllm_nixl_hma.blocks: docs/design.md section 3, row by row."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def stock_0_21_0_remote_expansion(remote_logical_ids, remote_ratio, local_ratio)
 @pytest.mark.parametrize(
     ("local_ratio", "remote_ratio", "remote_logical_ids", "correct_remote_kernel_ids"),
     [
-        # design.md row 1: local r=10, remote r=6, remote logical [0, 1]
+        # docs/design.md section 3, row 1: local r=10, remote r=6, remote logical [0, 1]
         (10, 6, [0, 1], list(range(12))),
-        # design.md row 2: local r=6, remote r=10, remote logical [0]
+        # docs/design.md section 3, row 2: local r=6, remote r=10, remote logical [0]
         (6, 10, [0], list(range(10))),
     ],
 )
@@ -43,7 +43,8 @@ def test_remote_expansion_uses_remote_ratio_for_multiplier_and_run_length(
 
 
 def test_design_row1_stock_result_is_the_overlapping_list():
-    """design.md: 0.21.0 gives [0..9] + [6..15] for remote [0, 1], local r=10, remote r=6."""
+    """docs/design.md section 3, row 1: 0.21.0 gives [0..9] + [6..15] for remote
+    [0, 1], local r=10, remote r=6."""
     assert stock_0_21_0_remote_expansion([0, 1], 6, 10) == list(range(10)) + list(range(6, 16))
 
 
@@ -69,7 +70,7 @@ def test_expansion_rejects_wrong_group_count():
 
 
 def test_align_keeps_leading_kernel_blocks_when_local_has_more():
-    """design.md 'The seed's snippet': local 12, remote 10 kernel blocks.
+    """docs/design.md section 3, 'The seed's snippet': local 12, remote 10 kernel blocks.
 
     Keeping the tail would pair local kernel block 2 with remote kernel block 0.
     """
@@ -82,7 +83,8 @@ def test_align_keeps_leading_kernel_blocks_when_local_has_more():
 
 
 def test_align_keeps_leading_kernel_blocks_when_remote_has_more():
-    """design.md row 1 after the fix: local r=10 (10 blocks), remote r=6 (12 blocks)."""
+    """docs/design.md section 3, row 1 after the fix: local r=10 (10 blocks),
+    remote r=6 (12 blocks)."""
     local = [np.arange(10)]
     remote = [np.arange(12)]
     local_out, remote_out = align_kernel_ids_by_group(local, remote, [FULL], 10, 6)

@@ -7,7 +7,7 @@ topology and TP mapping. Only the NIXL agent is a fake that records the
 descriptor ids of ``make_prepped_xfer``: these tests are about which blocks
 are asked for; tests/integration moves real bytes.
 
-The same cases run against stock ``NixlConnectorWorker``: design.md's rows
+The same cases run against stock ``NixlConnectorWorker``: docs/design.md section 3's rows
 must fail there, which shows the checks can catch the bug.
 """
 
@@ -150,9 +150,10 @@ def run_read_path(worker_cls, group_kinds, local_ratio, remote_ratio, num_tokens
 
 # (group kinds, local ratio, remote ratio, prompt tokens)
 DESIGN_ROWS = [
-    # design.md row 1: local r=10, remote r=6, remote logical [x, y] (2 blocks)
+    # docs/design.md section 3, row 1: local r=10, remote r=6 (196 tokens: local 2 logical
+    # blocks, 20 kernel blocks; remote 3 logical blocks, 18 kernel blocks)
     pytest.param([FULL, MAMBA], 10, 6, 100 + 6 * KERNEL_BLOCK_TOKENS, id="row1-local10-remote6"),
-    # design.md row 2: local r=6, remote r=10, remote logical [x] (1 block)
+    # docs/design.md section 3, row 2: local r=6, remote r=10, remote logical [x] (1 block)
     pytest.param([FULL, MAMBA], 6, 10, 6 * KERNEL_BLOCK_TOKENS + 5, id="row2-local6-remote10"),
     # Nemotron-3-Nano-like: TP1 r=66 prefill, TP4 r=34 decode, prompt ends mid block
     pytest.param([MAMBA, FULL], 34, 66, 3 * 66 * KERNEL_BLOCK_TOKENS - 7, id="nemotron-34-66"),

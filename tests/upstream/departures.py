@@ -34,7 +34,7 @@ DEPARTURES = (
             "expects remote logical block L to become kernel blocks "
             "L*remote_ratio + [0, local_ratio): the 0.21.0 expansion that reads the "
             "wrong remote pages whenever the kernel-per-logical ratios differ "
-            "(design.md section 3). Ours expands with the remote ratio on both counts."
+            "(docs/design.md section 3). Ours expands with the remote ratio on both counts."
         ),
         fixed_in="0.22.0",
     ),

@@ -65,7 +65,7 @@ LAYOUTS["swa"] = {
     "layer_types": ["sliding_attention", "full_attention"],
 }
 # granite-4.0-h-like: one SSM group, replicated on every rank when TP > 1
-# (design.md section 8). Kernel block 16; ratio 9 at TP 1, 5 at TP 2, 3 at TP 4.
+# (docs/design.md section 4). Kernel block 16; ratio 9 at TP 1, 5 at TP 2, 3 at TP 4.
 LAYOUTS["hybrid-1group"] = {**LAYOUTS["hybrid"], "mamba_n_groups": 1, "mamba_d_state": 32}
 # Qwen3-Next-shaped: full attention + GatedDeltaNet linear attention, 1 KV
 # head, q/k of 2 heads x 16 and v of 8 heads x 32 (unequal, as in real

@@ -630,9 +630,9 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     from vllm_nixl_hma import _compat
-    from vllm_nixl_hma.cli import reserve_stdout_for_json
+    from vllm_nixl_hma.cli import reserve_stdout
 
-    json_stream = reserve_stdout_for_json()
+    json_stream = reserve_stdout()
     if args.only is not None:
         wanted = {args.only}
     elif _compat.adapter() == "v033":  # read_path and transfer build 0.21.0 workers

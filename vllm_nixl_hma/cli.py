@@ -1,8 +1,10 @@
 """``vllm-nixl-hma``: command-line entry point.
 
 Imports nothing heavy until a subcommand runs, so ``--help`` is instant.
-Progress and the table go to stderr; with ``--json`` stdout carries exactly
-one JSON object. Exit codes are ``ExitCode``.
+``check`` and ``e2e`` print their result table on stdout and progress on
+stderr (so ``check > result.txt`` keeps the table); with ``--json`` stdout
+carries exactly one JSON object and the table goes to stderr. vLLM's own log
+lines, which vLLM writes to stdout, go to stderr. Exit codes are ``ExitCode``.
 """
 
 from __future__ import annotations
@@ -185,8 +187,10 @@ COLUMNS = (
     ("mismatched", 10, lambda r: r.mismatched_slots),
     ("MiB moved", 9, lambda r: f"{r.bytes / 2**20:.2f}"),
     ("descs", 6, lambda r: r.descriptors),
+    # seconds from posting the reads to the last completion, handshake included
+    # in a cell's first scenario; no GB/s column: at a few MiB per scenario on
+    # loopback it measures the step loop, not the link (benchmarks/ measures it)
     ("xfer s", 7, lambda r: f"{r.seconds:.3f}"),
-    ("GB/s", 6, lambda r: f"{r.bytes / r.seconds / 1e9:.2f}" if r.seconds else "-"),
 )
 
 
@@ -242,16 +246,16 @@ def render_table(results, faults=()) -> str:
     return "\n".join(lines)
 
 
-def reserve_stdout_for_json():
+def reserve_stdout():
     """vLLM logs to stdout, in this process and in processes that inherit its
     descriptors: point fd 1 at stderr and return a stream on the real stdout,
-    for the one JSON object."""
+    for the result (the table, or the one JSON object)."""
     import os
 
     sys.stdout.flush()
-    json_stream = os.fdopen(os.dup(1), "w")
+    result_stream = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    return json_stream
+    return result_stream
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -268,7 +272,7 @@ def run_check(args: argparse.Namespace) -> int:
             return ExitCode.USAGE_ERROR
     from vllm_nixl_hma.harness.coordinator import run_cells
 
-    json_stream = reserve_stdout_for_json()
+    result_stream = reserve_stdout()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm-nixl-hma-check-") as workdir:
         cells = _cells(args, Path(workdir))
@@ -289,15 +293,16 @@ def run_check(args: argparse.Namespace) -> int:
             from vllm_nixl_hma.harness.faults import FAULTS, run_faults
 
             faults = run_faults(FAULTS, args.connector, Path(workdir), progress, env)
-    print(render_table(results, faults), file=sys.stderr)
+    table = render_table(results, faults)
+    print(table, file=sys.stderr if args.json else result_stream, flush=True)
     print(f"[check] {time.perf_counter() - started:.1f} s", file=sys.stderr)
     ok = bool(results) and all(r.ok for r in results) and all(f.ok for f in faults)
     if args.json:
         report = {"ok": ok, "scenarios": [r.as_json() for r in results]}
         if args.faults:
             report["faults"] = [f.as_json() for f in faults]
-        print(json.dumps(report), file=json_stream)
-    json_stream.close()
+        print(json.dumps(report), file=result_stream)
+    result_stream.close()
     if not any(r.slots_checked for r in results):
         return ExitCode.NOTHING_RAN
     return ExitCode.OK if ok else ExitCode.MISMATCHES
@@ -369,7 +374,7 @@ def run_e2e_command(args: argparse.Namespace) -> int:
     from vllm_nixl_hma.e2e.faults import FAULTS as FAULT_NAMES
     from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
 
-    json_stream = reserve_stdout_for_json() if args.json else None
+    result_stream = reserve_stdout()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-nixl-hma-e2e-"))
     progress = lambda line: print(f"[e2e] {line}", file=sys.stderr)  # noqa: E731
     progress(f"engine logs: {workdir}/*.log")
@@ -386,11 +391,11 @@ def run_e2e_command(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)
-    print(render_e2e(report), file=sys.stderr)
+    print(render_e2e(report), file=sys.stderr if args.json else result_stream, flush=True)
     print(f"[e2e] {time.perf_counter() - started:.1f} s; logs in {workdir}", file=sys.stderr)
-    if json_stream is not None:
-        print(json.dumps(report), file=json_stream)
-        json_stream.close()
+    if args.json:
+        print(json.dumps(report), file=result_stream)
+    result_stream.close()
     if report.get("start_failure") and not report["prompts"]:
         return ExitCode.NOTHING_RAN
     return ExitCode.OK if report["ok"] else ExitCode.MISMATCHES

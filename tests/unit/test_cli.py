@@ -1,10 +1,9 @@
-"""``vllm-nixl-hma``'s command line: fast help, usage errors, the table."""
+"""``vllm-nixl-hma``'s command line: help without vLLM, usage errors, the table."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 from vllm_nixl_hma.cli import ExitCode, main, render_table
 from vllm_nixl_hma.harness.coordinator import ScenarioResult
@@ -16,13 +15,11 @@ def test_help_is_instant_and_imports_no_vllm():
         "try:\n    main(['check', '--help'])\nexcept SystemExit:\n    pass\n"
         "print('vllm' in sys.modules)"
     )
-    started = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.strip().endswith("False")
     assert "--model-config" in out and "--json" in out
-    assert time.perf_counter() - started < 10
 
 
 def test_usage_errors_exit_4():

@@ -77,11 +77,23 @@ def test_heterogeneous_cells_really_have_unequal_ratios(results):
                 assert result.local_ratio != result.remote_ratio, (layout, p_tp, d_tp)
 
 
-@pytest.mark.parametrize(("layout", "p_tp", "d_tp"), STOCK_CELLS[:2])
-def test_stock_0_21_0_corrupts_or_fails_heterogeneous_mamba_cells(results, layout, p_tp, d_tp):
-    """The oracle can fail: stock NixlConnector on the same cells."""
-    for result in results[("NixlConnector", layout, p_tp, d_tp)]:
-        assert result.error is not None or result.mismatched_slots > 0
+def test_stock_0_21_0_reads_wrong_kv_at_decode_ratio_above_prefills(results):
+    """The oracle can fail: stock NixlConnector, ``hybrid`` 2 -> 1 (decode ratio 5,
+    prefill 3), expands remote ids with decode's ratio; the reads succeed and the
+    slots hold other positions' KV. Nothing but the oracle reports it."""
+    for result in results[("NixlConnector", "hybrid", 2, 1)]:
+        assert result.error is None, result.error  # not a harness or worker crash
+        assert result.slots_checked > 100_000
+        assert result.mismatched_slots > 0
+
+
+def test_stock_0_21_0_asserts_at_decode_ratio_below_prefills(results):
+    """``hybrid-1group`` 1 -> 2 (decode ratio 5, prefill 9): upstream's pairing
+    asserts before any read; the check reports that error, and only that one."""
+    for result in results[("NixlConnector", "hybrid-1group", 1, 2)]:
+        assert result.slots_checked == 0
+        assert (result.error or "").startswith("AssertionError"), result.error
+        assert "assert num_local_blocks <= len(remote_group)" in result.error
 
 
 def test_stock_0_21_0_refuses_gated_delta_net_and_the_check_reports_it(results):

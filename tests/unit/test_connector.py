@@ -49,16 +49,6 @@ def test_overrides_keep_upstream_names_and_signatures(name):
     assert list(inspect.signature(ours).parameters) == list(inspect.signature(upstream).parameters)
 
 
-def test_apply_prefix_caching_signature():
-    parameters = list(inspect.signature(NixlHMAConnectorWorker._apply_prefix_caching).parameters)
-    assert parameters == [
-        "self",
-        "local_block_ids",
-        "remote_block_ids",
-        "remote_physical_per_logical",
-    ]
-
-
 def small_configs():
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(DENSE), skip_tokenizer_init=True, max_model_len=1024),

@@ -6,10 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-pytest.importorskip("vllm")
-
 
 def run(script: str, **env: str) -> str:
     import os

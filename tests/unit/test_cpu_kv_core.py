@@ -8,10 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-pytest.importorskip("vllm")
-
 SCRIPT = """
     import json
     from vllm.platforms.cpu import CpuPlatform

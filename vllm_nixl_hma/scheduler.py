@@ -21,7 +21,15 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-__all__ = ["FACTORY_PATH", "NixlHMAAsyncScheduler", "NixlHMAScheduler", "make_scheduler"]
+from vllm_nixl_hma import upstream_contract
+
+__all__ = [
+    "FACTORY_PATH",
+    "NixlHMAAsyncScheduler",
+    "NixlHMAScheduler",
+    "handles_multi_group_failures",
+    "make_scheduler",
+]
 
 FACTORY_PATH = "vllm_nixl_hma.scheduler.make_scheduler"
 NULL_BLOCK_ID = 0  # vLLM's BlockPool null block: shared by every request, never invalid
@@ -39,6 +47,22 @@ class HybridInvalidBlocksMixin:
     all its blocks are evicted. One group: upstream's method. Remove when:
     upstream handles several groups.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        contract = upstream_contract.V021
+        upstream_contract.require(
+            Scheduler,
+            contract.scheduler_overrides,
+            owner_name="Scheduler",
+            release=contract.release,
+        )
+        super().__init__(*args, **kwargs)
+        upstream_contract.require(
+            self,
+            contract.scheduler_state,
+            owner_name="Scheduler (after its constructor)",
+            release=contract.release,
+        )
 
     def _update_requests_with_invalid_blocks(
         self,
@@ -90,3 +114,24 @@ def make_scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Scheduler:
         NixlHMAAsyncScheduler if vllm_config.scheduler_config.async_scheduling else NixlHMAScheduler
     )
     return cls(*args, vllm_config=vllm_config, **kwargs)
+
+
+def handles_multi_group_failures(scheduler_cls: object) -> bool:
+    """Whether vLLM's configured ``scheduler_cls`` can fail or recompute a
+    request of several KV cache groups: our factory, or any class built on
+    ``HybridInvalidBlocksMixin``, whether configured as an object or as its
+    qualified name (``module.attr``). Judged by the object, not the string: a
+    user who names ``vllm_nixl_hma.scheduler.NixlHMAScheduler`` or a subclass
+    of their own keeps failing closed."""
+    target = scheduler_cls
+    if isinstance(scheduler_cls, str):
+        import importlib
+
+        module_name, _, attribute = scheduler_cls.rpartition(".")
+        try:
+            target = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError):
+            return False
+    if target is make_scheduler:
+        return True
+    return isinstance(target, type) and issubclass(target, HybridInvalidBlocksMixin)

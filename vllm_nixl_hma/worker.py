@@ -8,7 +8,7 @@ method, and every byte of data movement, is upstream's.
     Why: upstream multiplies remote logical ids by the remote ratio but adds
     the LOCAL ratio's offsets; with heterogeneous TP on a Mamba hybrid the
     ratios differ and decode silently reads the wrong kernel blocks
-    (design.md section 3). How: ``blocks.logical_to_kernel_ids_by_group`` with
+    (docs/design.md section 3). How: ``blocks.logical_to_kernel_ids_by_group`` with
     the remote ratio as multiplier and run length. Related: vLLM 0.22.0's fix.
     Remove when: the supported vLLM range starts at a release with the fix.
 
@@ -44,7 +44,7 @@ method, and every byte of data movement, is upstream's.
     from k), and places B and C as if SSM groups were always sharded: when
     the model has fewer groups than the larger TP (vLLM then replicates the
     single group on every rank), B and C arrive wrong whenever prefill and
-    decode TP differ, in both directions (design.md section 8; still so in
+    decode TP differ, in both directions (docs/design.md section 4; still so in
     vLLM 0.33.0). How: ``add_remote_agent`` records which remote rank is
     being added; ``_build_mamba_remote`` builds upstream's descriptor list
     (per layer: each conv part for every block, then the SSM state) with
@@ -158,6 +158,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_nixl_hma import _compat
 from vllm_nixl_hma._compat import require_adapter
 
 require_adapter("v021", "vllm_nixl_hma.worker")
@@ -194,6 +195,7 @@ from vllm_nixl_hma import (  # noqa: E402
     page_runs,
     read_threads,
     side_channel,
+    upstream_contract,
 )
 from vllm_nixl_hma.errors import (  # noqa: E402
     BlockAlignmentError,
@@ -310,6 +312,22 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         the ledger); ``kv_connector_extra_config`` ``split_batch_size`` is
         checked here, before any agent exists.
         """
+        contract = upstream_contract.V021
+        nixl_note = _compat.untested_nixl()
+        if nixl_note:
+            logger.warning_once("NixlHMAConnector: %s", nixl_note)
+        upstream_contract.require(
+            NixlConnectorWorker,
+            contract.worker_overrides + contract.worker_calls,
+            owner_name="NixlConnectorWorker",
+            release=contract.release,
+        )
+        upstream_contract.require(
+            upstream_worker_module,
+            contract.worker_module,
+            owner_name=upstream_worker_module.__name__,
+            release=contract.release,
+        )
         extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
         split_batch_size = read_threads.split_batch_size_from(extra_config)
 
@@ -334,7 +352,13 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         finally:
             upstream_worker_module.derive_mamba_conv_split = upstream_split
             upstream_worker_module.NixlWrapper = upstream_agent_cls
-        self._failed_recv_reqs = FailedRequests(getattr(self, "_failed_recv_reqs", ()))
+        upstream_contract.require(
+            self,
+            contract.worker_state,
+            owner_name="NixlConnectorWorker (after its constructor)",
+            release=contract.release,
+        )
+        self._failed_recv_reqs = FailedRequests(self._failed_recv_reqs)
 
     @property
     def _state_split(self) -> StateSplit:
@@ -766,6 +790,12 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         ``HandshakeRecord``. Remove when: upstream carries an equivalent.
         """
         super().register_kv_caches(kv_caches)
+        upstream_contract.require(
+            self,
+            upstream_contract.V021.worker_registered_state,
+            owner_name="NixlConnectorWorker (after register_kv_caches)",
+            release=upstream_contract.V021.release,
+        )
         self._handshake_record = self._build_handshake_record(kv_caches)
         payload = self.xfer_handshake_metadata
         self.xfer_handshake_metadata = NixlHMAHandshakePayload(
@@ -1092,6 +1122,12 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
             engine_id,
         )
 
+    @functools.cached_property
+    def _scheduler_handles_multi_group_failures(self) -> bool:
+        from vllm_nixl_hma.scheduler import handles_multi_group_failures
+
+        return handles_multi_group_failures(self.vllm_config.scheduler_config.scheduler_cls)
+
     def _report_invalid_blocks_of(self, request_id: str, meta=None) -> None:
         """Mark every local block of a failed request invalid, where the
         scheduler can take them: that is what makes vLLM 0.21.0's scheduler
@@ -1102,12 +1138,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         but not at ours (the lease, unpairable lists), so they are marked
         here whatever the layout. With HMA only our schedulers can take
         several groups' blocks."""
-        from vllm_nixl_hma.scheduler import FACTORY_PATH
-
-        if (
-            self._is_hma_required
-            and self.vllm_config.scheduler_config.scheduler_cls != FACTORY_PATH
-        ):
+        if self._is_hma_required and not self._scheduler_handles_multi_group_failures:
             logger.warning_once(
                 "NixlHMAConnector: KV of a hybrid request did not arrive, and the configured "
                 "scheduler cannot fail or recompute it; leave scheduler_cls unset to let "
@@ -1158,7 +1189,19 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
         With empty groups the callback runs to its end and ``get_finished``
         drops the request (see the ledger); ``_read_blocks`` hands upstream
         the empty list it takes for "notify prefill only"."""
-        self._lease_deadlines.update(getattr(metadata, LEASE_DEADLINES_ATTR, {}))
+        deadlines = getattr(metadata, LEASE_DEADLINES_ATTR, None)
+        if deadlines is not None:
+            self._lease_deadlines.update(deadlines)
+        elif getattr(metadata, "reqs_to_recv", None):
+            # Our scheduler side always attaches the attribute (empty without a
+            # lease): its absence means metadata from another connector, or a
+            # vLLM that no longer carries our attribute to the worker.
+            logger.warning_once(
+                "NixlHMAConnector: the connector metadata carries no %s (not built by "
+                "NixlHMAConnector's scheduler side, or this vLLM drops attributes on its way "
+                "to the worker); reads are not checked against prefill's lease",
+                LEASE_DEADLINES_ATTR,
+            )
         config = getattr(self, "kv_cache_config", None)  # absent in workers built bare
         num_groups = max(len(getattr(config, "kv_cache_groups", ())), 1)
         for meta in getattr(metadata, "reqs_to_recv", {}).values():

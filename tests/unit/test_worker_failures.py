@@ -21,11 +21,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     RemoteMeta,
     ReqMeta,
 )
+from vllm.v1.core.sched.scheduler import Scheduler
 
 from tests.reference import FULL, MAMBA, SWA
 from vllm_nixl_hma import NixlHMAConnectorWorker
 from vllm_nixl_hma.harness.read_path import build_read_path_worker
-from vllm_nixl_hma.scheduler import FACTORY_PATH
+from vllm_nixl_hma.scheduler import (
+    FACTORY_PATH,
+    NixlHMAScheduler,
+    handles_multi_group_failures,
+)
 
 
 def worker_for(mocker, kinds, hma: bool, with_remote: bool = True):
@@ -90,6 +95,40 @@ def test_under_hma_a_foreign_scheduler_gets_no_report_and_a_warning(mocker):
     worker._report_invalid_blocks_of("req-1")
     assert worker._invalid_block_ids == set()
     warning.assert_called_once()
+
+
+class OwnScheduler(NixlHMAScheduler):
+    """A user's scheduler built on ours (recognised by class, #22)."""
+
+
+@pytest.mark.parametrize(
+    "scheduler_cls",
+    [
+        FACTORY_PATH,
+        "vllm_nixl_hma.scheduler.NixlHMAScheduler",  # named explicitly: once refused
+        "vllm_nixl_hma.scheduler.NixlHMAAsyncScheduler",
+        NixlHMAScheduler,
+        OwnScheduler,
+        f"{__name__}.OwnScheduler",
+    ],
+)
+def test_under_hma_our_schedulers_get_the_report_however_they_are_named(mocker, scheduler_cls):
+    """Before #22 the worker compared ``scheduler_cls`` with our factory's path as
+    a string: naming our own scheduler class was taken for a foreign scheduler,
+    and a hybrid request whose KV did not arrive was not reported."""
+    worker = worker_for(mocker, [FULL, MAMBA], True)
+    worker.vllm_config.scheduler_config.scheduler_cls = scheduler_cls
+    worker._recving_metadata["req-1"] = request_meta([[3], [11]])
+    worker._report_invalid_blocks_of("req-1")
+    assert worker._invalid_block_ids == {3, 11}
+
+
+@pytest.mark.parametrize(
+    "scheduler_cls",
+    ["my.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler", Scheduler, "no_dots"],
+)
+def test_handles_multi_group_failures_refuses_other_schedulers(scheduler_cls):
+    assert not handles_multi_group_failures(scheduler_cls)
 
 
 def test_a_notify_only_request_whose_handshake_fails_leaves_nothing_behind(mocker):

@@ -40,7 +40,7 @@ def test_the_name_resolves_to_our_pull_connector_with_our_worker():
 
 
 def test_the_021_glue_refuses_to_import_here():
-    with pytest.raises(UnsupportedVersionError, match="glue for vLLM >=0.21.0,<0.21.1"):
+    with pytest.raises(UnsupportedVersionError, match="glue for vLLM ==0.21.0"):
         import vllm_nixl_hma.connector  # noqa: F401
 
 

@@ -14,7 +14,10 @@ from vllm_nixl_hma._compat import require_adapter
 require_adapter("v033", "vllm_nixl_hma.v033.connector")
 
 from vllm.config import VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
     NixlBaseConnector,
     NixlPullConnector,
@@ -23,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  
     NixlPullConnectorScheduler,
 )
 
-from vllm_nixl_hma import lease  # noqa: E402
+from vllm_nixl_hma import lease, upstream_contract  # noqa: E402
 from vllm_nixl_hma.v033.worker import (  # noqa: E402
     LEASE_EXTENSIONS_ATTR,
     NixlHMAConnectorWorker,
@@ -61,6 +64,13 @@ class NixlHMAConnector(NixlPullConnector):
         the worker as ``worker_cls``. Remove when: upstream takes the worker
         class as a parameter.
         """
+        upstream_contract.require(
+            NixlPullConnector,
+            upstream_contract.V033.connector_overrides,
+            owner_name="NixlPullConnector",
+            release=upstream_contract.V033.release,
+            below=KVConnectorBase_V1,
+        )
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(

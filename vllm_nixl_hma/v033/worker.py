@@ -60,6 +60,7 @@ import time
 
 import numpy as np
 
+from vllm_nixl_hma import _compat
 from vllm_nixl_hma._compat import require_adapter
 
 require_adapter("v033", "vllm_nixl_hma.v033.worker")
@@ -80,7 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # no
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec  # noqa: E402
 
-from vllm_nixl_hma import blocks, handshake, lease  # noqa: E402
+from vllm_nixl_hma import blocks, handshake, lease, upstream_contract  # noqa: E402
 from vllm_nixl_hma.errors import BlockAlignmentError, UnsupportedModelError  # noqa: E402
 from vllm_nixl_hma.groups import group_kinds  # noqa: E402
 from vllm_nixl_hma.state_split import (  # noqa: E402
@@ -123,7 +124,23 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         refusing them would take away what stock serves. Remove when:
         upstream reads replicated SSM groups right.
         """
+        contract = upstream_contract.V033
+        nixl_note = _compat.untested_nixl()
+        if nixl_note:
+            logger.warning_once("NixlHMAConnector: %s", nixl_note)
+        upstream_contract.require(
+            NixlPullConnectorWorker,
+            contract.worker_overrides + contract.worker_calls,
+            owner_name="NixlPullConnectorWorker",
+            release=contract.release,
+        )
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        upstream_contract.require(
+            self,
+            contract.worker_state,
+            owner_name="NixlPullConnectorWorker (after its constructor)",
+            release=contract.release,
+        )
         self._lease_margin_s = float(
             self.kv_transfer_config.get_from_extra_config("lease_margin_s", lease.DEFAULT_MARGIN_S)
         )
@@ -333,6 +350,8 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         remote = meta.remote
         if remote is None or remote.blocks_expiry_time is None:
             return None
+        # upstream state, required at construction (upstream_contract); only a
+        # worker built without its constructor (vLLM's own tests) lacks it
         offset = getattr(self, "_engine_clock_offset", {}).get(remote.engine_id)
         if offset is None:  # no handshake yet: checked again once it is done
             return None
@@ -359,7 +378,18 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         prefill's glue sent. Upstream's ``ReqMeta`` keeps vLLM's fields only;
         the extension travels as an attribute our connector sets on the
         metadata (``LEASE_EXTENSIONS_ATTR``)."""
-        for remote_request_id, extension in getattr(metadata, LEASE_EXTENSIONS_ATTR, {}).items():
+        extensions = getattr(metadata, LEASE_EXTENSIONS_ATTR, None)
+        if extensions is None and getattr(metadata, "reqs_to_recv", None):
+            # Our scheduler side always attaches the attribute (empty when no
+            # extension): its absence means metadata from another connector,
+            # or a vLLM that no longer carries our attribute to the worker.
+            logger.warning_once(
+                "NixlHMAConnector: the connector metadata carries no %s (not built by "
+                "NixlHMAConnector's scheduler side, or this vLLM drops attributes on its way "
+                "to the worker); prefill's lease is taken as not extended",
+                LEASE_EXTENSIONS_ATTR,
+            )
+        for remote_request_id, extension in (extensions or {}).items():
             self._recving_extra[remote_request_id] = {lease.EXTENSION_PARAM: extension}
         super().start_load_kv(metadata)
 

@@ -1,0 +1,184 @@
+"""Which private names of vLLM's NIXL connector each release's glue relies on,
+and the check that they are there.
+
+The glue subclasses vLLM's connector, worker and scheduler and calls or
+replaces their private methods and reads their private state. A release that
+renames one of them would not fail: an override of a method upstream no longer
+calls is dead code, and a ``getattr(obj, name, default)`` turns a check off.
+So every such name is listed here, per release and per upstream owner, and
+``require`` is called when the worker, connector or scheduler starts; a missing
+name stops startup with ``UpstreamDriftError`` naming it.
+
+Pure: no vLLM import; the glue passes the upstream objects in. The lists are
+the contract; ``tests/unit/test_upstream_contract.py`` checks on each installed
+release that every override the glue defines is listed (a new override must be
+added here) and that removing a listed name stops startup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vllm_nixl_hma.errors import UpstreamDriftError
+
+__all__ = ["V021", "V033", "Contract", "require"]
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One release's names, grouped by the upstream object that must have them."""
+
+    release: str
+    worker_overrides: tuple[str, ...]  # worker methods our worker overrides
+    worker_calls: tuple[str, ...]  # worker methods our worker calls
+    worker_module: tuple[str, ...]  # names of upstream's worker module we swap or use
+    worker_state: tuple[str, ...]  # worker state upstream's constructor sets, we read
+    worker_registered_state: tuple[str, ...]  # set by upstream's register_kv_caches
+    connector_overrides: tuple[str, ...]
+    scheduler_overrides: tuple[str, ...]
+    scheduler_state: tuple[str, ...]
+
+
+V021 = Contract(
+    release="0.21.0",
+    # methods of NixlConnectorWorker that our worker overrides
+    worker_overrides=(
+        "_build_mamba_remote",
+        "_handle_failed_transfer",
+        "_logical_to_remote_kernel_block_ids",
+        "_nixl_handshake",
+        "_pop_done_transfers",
+        "_read_blocks",
+        "_read_blocks_for_req",
+        "_validate_remote_agent_handshake",
+        "add_remote_agent",
+        "get_finished",
+        "register_kv_caches",
+        "shutdown",
+        "start_load_kv",
+    ),
+    # methods of NixlConnectorWorker our worker calls
+    worker_calls=("_build_mamba_local", "_log_failure", "get_backend_aware_kv_block_len"),
+    # names of vLLM's nixl/worker.py module the worker swaps or uses
+    worker_module=("NixlWrapper", "current_platform", "derive_mamba_conv_split", "zmq_ctx"),
+    # NixlConnectorWorker state that its constructor sets and our worker reads
+    worker_state=(
+        "_conv_decomp",
+        "_failed_recv_reqs",
+        "_handshake_lock",
+        "_has_mamba",
+        "_invalid_block_ids",
+        "_is_hma_required",
+        "_layer_specs",
+        "_physical_blocks_per_logical_kv_block",
+        "_recving_metadata",
+        "_recving_transfers",
+        "_remote_agents",
+        "block_size",
+        "compat_hash",
+        "device_id",
+        "dst_num_blocks",
+        "dst_xfer_side_handles",
+        "enforce_compat_hash",
+        "engine_id",
+        "host_buffer_kv_cache_layout",
+        "host_xfer_buffers",
+        "kv_cache_config",
+        "kv_cache_layout",
+        "kv_caches_base_addr",
+        "kv_transfer_config",
+        "nixl_memory_type",
+        "nixl_wrapper",
+        "num_blocks",
+        "tp_mappings",
+        "tp_rank",
+        "transfer_topo",
+        "use_host_buffer",
+        "vllm_config",
+        "world_size",
+        "xfer_stats",
+    ),
+    # state that upstream's register_kv_caches sets
+    worker_registered_state=(
+        "_logical_num_blocks",
+        "block_len_per_layer",
+        "xfer_handshake_metadata",
+    ),
+    # methods of NixlConnector our connector overrides
+    connector_overrides=("build_connector_meta", "request_finished", "request_finished_all_groups"),
+    # methods of vLLM's Scheduler our schedulers override, and state they read
+    scheduler_overrides=("_update_requests_with_invalid_blocks",),
+    scheduler_state=("kv_cache_manager",),
+)
+
+V033 = Contract(
+    release="0.33.0",
+    # methods of NixlPullConnectorWorker (and its base) that our worker overrides
+    worker_overrides=(
+        "_apply_prefix_caching",
+        "_build_mamba_remote",
+        "_pop_done_transfers",
+        "_read_blocks",
+        "_read_blocks_for_req",
+        "_send_heartbeats",
+        "add_remote_agent",
+        "start_load_kv",
+    ),
+    worker_calls=("_handle_failed_transfer", "_log_failure", "_pack_strided_descs"),
+    worker_module=(),
+    worker_state=(
+        "_conv_decomp",
+        "_engine_clock_offset",  # the lease: prefill's clock mapped to decode's
+        "_has_mamba",
+        "_is_hma_required",
+        "_layer_specs",
+        "_mamba_ssm_size",
+        "_physical_blocks_per_logical_kv_block",
+        "_ple_region_index",
+        "_recv_failures",
+        "_recving_metadata",
+        "_remote_agents",
+        "_ssm_region_indices",
+        "block_len_per_layer",
+        "host_buffer_kv_cache_layout",
+        "kv_cache_config",
+        "kv_cache_layout",
+        "kv_transfer_config",
+        "pp_size",
+        "tp_rank",
+        "use_host_buffer",
+        "use_mla",
+        "vllm_config",
+        "world_size",
+        "xfer_stats",
+    ),
+    worker_registered_state=(),
+    connector_overrides=("build_connector_meta", "request_finished", "request_finished_all_groups"),
+    scheduler_overrides=(),
+    scheduler_state=(),
+)
+
+
+def require(
+    owner: object,
+    names: Iterable[str],
+    *,
+    owner_name: str,
+    release: str,
+    below: type | None = None,
+) -> None:
+    """Raise ``UpstreamDriftError`` naming every one of ``names`` that
+    ``owner`` (an upstream class, module or instance) does not have. With
+    ``below`` (an abstract interface ``owner`` implements), a name counts only
+    where a class between ``owner`` and ``below`` defines it: the interface's
+    abstract method is not upstream's implementation."""
+    if below is None:
+        missing = [name for name in names if not hasattr(owner, name)]
+    else:
+        implementers = [cls for cls in owner.__mro__ if cls is not below and issubclass(cls, below)]
+        missing = [name for name in names if not any(name in vars(cls) for cls in implementers)]
+    if missing:
+        from vllm_nixl_hma._compat import installed_vllm_version
+
+        raise UpstreamDriftError(release, owner_name, missing, installed_vllm_version())

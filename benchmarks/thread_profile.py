@@ -42,7 +42,7 @@ def profile(plan: str, tokens: int, reads: int) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import run as bench
 
-    from vllm_nixl_hma import read_threads
+    from vllm_nixl_hma.core import read_threads
 
     if plan == "ours-nixl-default":
         read_threads.DEFAULT_SPLIT_BATCH_SIZE = NIXL_DEFAULT_SPLIT

@@ -16,20 +16,11 @@ __version__ = "0.1.0"
 __all__ = ["NixlHMAConnector", "NixlHMAConnectorWorker", "__version__"]
 
 if TYPE_CHECKING:
-    from vllm_nixl_hma.connector import NixlHMAConnector
-    from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+    from vllm_nixl_hma.v021.connector import NixlHMAConnector
+    from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
-#: name -> its module, per glue (``_compat.adapter``)
-_LAZY_EXPORTS = {
-    "v021": {
-        "NixlHMAConnector": "vllm_nixl_hma.connector",
-        "NixlHMAConnectorWorker": "vllm_nixl_hma.worker",
-    },
-    "v033": {
-        "NixlHMAConnector": "vllm_nixl_hma.v033.connector",
-        "NixlHMAConnectorWorker": "vllm_nixl_hma.v033.worker",
-    },
-}
+#: exported name -> its module in the installed release's glue (``_compat.glue_module``)
+_LAZY_EXPORTS = {"NixlHMAConnector": "connector", "NixlHMAConnectorWorker": "worker"}
 
 
 def __getattr__(name: str) -> Any:
@@ -39,7 +30,7 @@ def __getattr__(name: str) -> Any:
 
     from vllm_nixl_hma import _compat
 
-    module_name = _LAZY_EXPORTS[_compat.adapter()][name]
+    module_name = _compat.glue_module(_compat.adapter(), _LAZY_EXPORTS[name])
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value
     return value

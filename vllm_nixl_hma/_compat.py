@@ -17,7 +17,7 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from vllm_nixl_hma.errors import UnsupportedVersionError
+from vllm_nixl_hma.core.errors import UnsupportedVersionError
 
 __all__ = [
     "ADAPTERS",
@@ -25,13 +25,15 @@ __all__ = [
     "TESTED_NIXL_RANGE",
     "TESTED_VLLM",
     "adapter",
-    "untested_nixl",
+    "glue_module",
     "installed_vllm_version",
     "require_adapter",
     "require_supported_vllm",
+    "untested_nixl",
 ]
 
-#: glue name -> the vLLM releases whose NixlConnector internals that glue was
+#: The release table. Glue name (the package ``vllm_nixl_hma.<name>``, see
+#: ``glue_module``) -> the vLLM releases whose NixlConnector internals that glue was
 #: written and tested against: exactly the releases the test suite ran on (a
 #: local label such as ``+cpu`` or ``+cu130`` is the same release; a post or
 #: patch release is not). Add a release only after the suite passed on it.
@@ -46,6 +48,14 @@ SUPPORTED_VLLM_RANGE = " or ".join(ADAPTERS.values())
 TESTED_NIXL_RANGE = ">=1.5.1,<1.5.2"
 _SPECIFIERS = {name: SpecifierSet(releases) for name, releases in ADAPTERS.items()}
 TESTED_VLLM = ("0.21.0", "0.33.0")
+
+
+def glue_module(name: str, module: str) -> str:
+    """The module ``module`` (``connector``, ``worker``) of the glue ``name``:
+    ``vllm_nixl_hma.<name>.<module>``."""
+    if name not in ADAPTERS:
+        raise KeyError(f"no glue named {name!r}; the glue packages are {sorted(ADAPTERS)}")
+    return f"vllm_nixl_hma.{name}.{module}"
 
 
 def installed_vllm_version() -> str | None:

@@ -10,6 +10,7 @@ lines, which vLLM writes to stdout, go to stderr. Exit codes are ``ExitCode``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import sys
@@ -258,6 +259,23 @@ def reserve_stdout():
     return result_stream
 
 
+@contextlib.contextmanager
+def stdout_reserved():
+    """``reserve_stdout`` for the length of one command: fd 1 is given back on
+    exit, so a caller in the same process (a test) keeps its stdout."""
+    import os
+
+    saved = os.dup(1)
+    stream = reserve_stdout()
+    try:
+        yield stream
+    finally:
+        stream.close()
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run_check(args: argparse.Namespace) -> int:
     import os
 
@@ -270,9 +288,13 @@ def run_check(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("--device cuda: no CUDA device is visible", file=sys.stderr)
             return ExitCode.USAGE_ERROR
+    with stdout_reserved() as result_stream:
+        return _run_check(args, result_stream)
+
+
+def _run_check(args: argparse.Namespace, result_stream) -> int:
     from vllm_nixl_hma.harness.coordinator import run_cells
 
-    result_stream = reserve_stdout()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm-nixl-hma-check-") as workdir:
         cells = _cells(args, Path(workdir))
@@ -302,7 +324,6 @@ def run_check(args: argparse.Namespace) -> int:
         if args.faults:
             report["faults"] = [f.as_json() for f in faults]
         print(json.dumps(report), file=result_stream)
-    result_stream.close()
     if not any(r.slots_checked for r in results):
         return ExitCode.NOTHING_RAN
     return ExitCode.OK if ok else ExitCode.MISMATCHES
@@ -371,10 +392,14 @@ def render_e2e(report: dict) -> str:
 
 
 def run_e2e_command(args: argparse.Namespace) -> int:
+    with stdout_reserved() as result_stream:
+        return _run_e2e(args, result_stream)
+
+
+def _run_e2e(args: argparse.Namespace, result_stream) -> int:
     from vllm_nixl_hma.e2e.faults import FAULTS as FAULT_NAMES
     from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
 
-    result_stream = reserve_stdout()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-nixl-hma-e2e-"))
     progress = lambda line: print(f"[e2e] {line}", file=sys.stderr)  # noqa: E731
     progress(f"engine logs: {workdir}/*.log")
@@ -395,7 +420,6 @@ def run_e2e_command(args: argparse.Namespace) -> int:
     print(f"[e2e] {time.perf_counter() - started:.1f} s; logs in {workdir}", file=sys.stderr)
     if args.json:
         print(json.dumps(report), file=result_stream)
-    result_stream.close()
     if report.get("start_failure") and not report["prompts"]:
         return ExitCode.NOTHING_RAN
     return ExitCode.OK if report["ok"] else ExitCode.MISMATCHES

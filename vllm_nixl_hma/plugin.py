@@ -13,11 +13,6 @@ from __future__ import annotations
 from vllm_nixl_hma import _compat
 
 CONNECTOR_NAME = "NixlHMAConnector"
-#: the connector's module per glue (``_compat.adapter``)
-CONNECTOR_MODULES = {
-    "v021": "vllm_nixl_hma.connector",
-    "v033": "vllm_nixl_hma.v033.connector",
-}
 
 
 def connector_module() -> str:
@@ -25,9 +20,9 @@ def connector_module() -> str:
     the plugin does not support: the 0.21.0 module, whose import refuses with
     one sentence naming both versions (only if a config selects the connector)."""
     try:
-        return CONNECTOR_MODULES[_compat.adapter()]
+        return _compat.glue_module(_compat.adapter(), "connector")
     except ImportError:  # UnsupportedVersionError
-        return CONNECTOR_MODULES["v021"]
+        return _compat.glue_module("v021", "connector")
 
 
 def register() -> None:
@@ -39,7 +34,7 @@ def register() -> None:
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, module, CONNECTOR_NAME)
 
-    from vllm_nixl_hma import config_hook
+    from vllm_nixl_hma.v021 import config_hook
 
     config_hook.install()
 

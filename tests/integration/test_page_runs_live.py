@@ -12,8 +12,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
 from vllm_nixl_hma import NixlHMAConnectorWorker
+from vllm_nixl_hma.core.read_threads import DEFAULT_SPLIT_BATCH_SIZE
 from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE, build_live_read_path
-from vllm_nixl_hma.read_threads import DEFAULT_SPLIT_BATCH_SIZE
 
 LAYERS = 3
 LOGICAL_BLOCKS = 24

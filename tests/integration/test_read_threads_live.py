@@ -18,8 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as upstream
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
 from vllm_nixl_hma import NixlHMAConnectorWorker
-from vllm_nixl_hma.read_threads import DEFAULT_SPLIT_BATCH_SIZE
-from vllm_nixl_hma.worker import build_nixl_agent
+from vllm_nixl_hma.core import upstream_contract
+from vllm_nixl_hma.core.read_threads import DEFAULT_SPLIT_BATCH_SIZE
+from vllm_nixl_hma.v021.worker import build_nixl_agent
 
 
 def vllm_config(extra_config):
@@ -37,6 +38,11 @@ def upstream_constructor(mocker):
         calls.append(engine_id)
         config = upstream_worker_module.nixl_agent_config(num_threads=4, capture_telemetry=True)
         self.nixl_wrapper = upstream_worker_module.NixlWrapper(str(uuid.uuid4()), config)
+        # the rest of upstream's state, which our worker requires after the
+        # constructor (upstream_contract); none of it is used here
+        for name in upstream_contract.V021.worker_state:
+            if not hasattr(self, name):
+                setattr(self, name, set() if name == "_failed_recv_reqs" else None)
 
     mocker.patch.object(NixlConnectorWorker, "__init__", builds_its_agent)
     return calls

@@ -68,8 +68,8 @@ def test_fresh_process_resolves_connector_by_name_through_entry_point(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert "vllm_nixl_hma.plugin:register" in report["entry_points"]
-    assert report["by_name"] == "vllm_nixl_hma.connector.NixlHMAConnector"
-    assert report["by_path"] == "vllm_nixl_hma.connector.NixlHMAConnector"
+    assert report["by_name"] == "vllm_nixl_hma.v021.connector.NixlHMAConnector"
+    assert report["by_path"] == "vllm_nixl_hma.v021.connector.NixlHMAConnector"
     assert report["same_class"] is True
 
 

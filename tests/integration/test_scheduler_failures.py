@@ -2,7 +2,7 @@
 
 Runs vLLM 0.21.0's real scheduler machinery on CPU: the scheduler vLLM's
 engine core would build from the config (``scheduler_config.get_scheduler_cls``,
-which the config hook points at ``vllm_nixl_hma.scheduler.make_scheduler``),
+which the config hook points at ``vllm_nixl_hma.v021.scheduler.make_scheduler``),
 with NixlHMAConnector as its connector and a real HMA KV cache config of a
 Bamba-shaped hybrid. A remote-prefill request is scheduled, then the worker
 side reports it finished with every block invalid, as our worker does when
@@ -20,9 +20,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_nixl_hma import scheduler as our_scheduler
 from vllm_nixl_hma.harness import coordinator, layout
 from vllm_nixl_hma.harness.model_shapes import LAYOUTS
+from vllm_nixl_hma.v021 import scheduler as our_scheduler
 
 PROMPT_TOKENS = 300
 
@@ -182,7 +182,7 @@ def decode_worker(vllm_config, worker_cls, mocker):
 
 
 def remote_prefill_params(lease_deadline: float) -> dict:
-    from vllm_nixl_hma import lease
+    from vllm_nixl_hma.core import lease
     from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE
 
     return {

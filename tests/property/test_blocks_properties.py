@@ -1,4 +1,4 @@
-"""Properties of vllm_nixl_hma.blocks against the token-position reference.
+"""Properties of vllm_nixl_hma.core.blocks against the token-position reference.
 
 Each property has an exhaustive test over small ranges and a hypothesis test
 over large ones (ratios up to 66, mixed group kinds), as ndindex does for its
@@ -17,13 +17,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.reference import FULL, MAMBA, SWA, build_side, pairing_errors
-from vllm_nixl_hma.blocks import (
+from vllm_nixl_hma.core.blocks import (
     GroupKind,
     align_kernel_ids_by_group,
     check_alignable,
     logical_to_kernel_ids_by_group,
 )
-from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError
+from vllm_nixl_hma.core.errors import BlockAlignmentError, IncompatibleRemoteError
 
 GROUP_MIXES = [
     [FULL],

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
 from tests.unit.test_handshake import record
-from vllm_nixl_hma import handshake
-from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+from vllm_nixl_hma.core import handshake
+from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
 ENGINE = "prefill-engine"
 HASH = "c0ffee"

@@ -1,18 +1,18 @@
-"""Examples for vllm_nixl_hma.blocks: docs/design.md section 3, row by row."""
+"""Examples for vllm_nixl_hma.core.blocks: docs/design.md section 3, row by row."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from vllm_nixl_hma.blocks import (
+from vllm_nixl_hma.core.blocks import (
     GroupKind,
     align_kernel_ids_by_group,
     check_alignable,
     logical_to_kernel_ids,
     logical_to_kernel_ids_by_group,
 )
-from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError
+from vllm_nixl_hma.core.errors import BlockAlignmentError, IncompatibleRemoteError
 
 FULL = GroupKind.FULL_ATTENTION
 SWA = GroupKind.SLIDING_WINDOW

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from vllm_nixl_hma._compat import SUPPORTED_VLLM_RANGE, adapter, require_supported_vllm
-from vllm_nixl_hma.errors import UnsupportedVersionError
+from vllm_nixl_hma.core.errors import UnsupportedVersionError
 
 
 def test_installed_vllm_is_supported():
@@ -63,7 +63,7 @@ def test_importing_the_connector_on_another_vllm_fails_at_import():
         real = md.version
         md.version = lambda name: "0.22.0" if name == "vllm" else real(name)
         try:
-            import vllm_nixl_hma.connector
+            import vllm_nixl_hma.v021.connector
         except ImportError as e:
             print(type(e).__name__, e)
         import sys
@@ -87,7 +87,7 @@ def test_the_glue_of_one_release_refuses_to_import_on_the_other():
         import importlib.metadata as md
         real = md.version
         md.version = lambda name: "0.33.0" if name == "vllm" else real(name)
-        for module in ("vllm_nixl_hma.connector", "vllm_nixl_hma.worker"):
+        for module in ("vllm_nixl_hma.v021.connector", "vllm_nixl_hma.v021.worker"):
             try:
                 __import__(module)
             except ImportError as e:
@@ -102,8 +102,8 @@ def test_the_glue_of_one_release_refuses_to_import_on_the_other():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert out.count("UnsupportedVersionError") == 2, out
-    assert "vllm_nixl_hma.connector is vllm_nixl_hma's glue for vLLM ==0.21.0" in out
-    assert "vllm_nixl_hma.worker is vllm_nixl_hma's glue" in out
+    assert "vllm_nixl_hma.v021.connector is vllm_nixl_hma's glue for vLLM ==0.21.0" in out
+    assert "vllm_nixl_hma.v021.worker is vllm_nixl_hma's glue" in out
     assert "but vLLM 0.33.0 is installed: select kv_connector NixlHMAConnector" in out
     assert "vllm imported: False" in out
     assert "module: vllm_nixl_hma.v033.connector" in out

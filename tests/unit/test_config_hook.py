@@ -20,7 +20,8 @@ from vllm.config import (
 )
 from vllm.platforms import current_platform
 
-from vllm_nixl_hma import config_hook, plugin
+from vllm_nixl_hma import plugin
+from vllm_nixl_hma.v021 import config_hook
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 HYBRID = FIXTURES / "tiny_hybrid"
@@ -137,7 +138,7 @@ def test_install_is_idempotent():
 
 
 def test_our_connector_gets_the_scheduler_factory_stock_does_not():
-    from vllm_nixl_hma.scheduler import FACTORY_PATH
+    from vllm_nixl_hma.v021.scheduler import FACTORY_PATH
 
     assert build_config(DENSE, "NixlHMAConnector").scheduler_config.scheduler_cls == FACTORY_PATH
     assert build_config(HYBRID, "NixlHMAConnector").scheduler_config.scheduler_cls == FACTORY_PATH

@@ -1,14 +1,14 @@
-"""The handshake record (vllm_nixl_hma.handshake): parsing, validation, refusals."""
+"""The handshake record (vllm_nixl_hma.core.handshake): parsing, validation, refusals."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from vllm_nixl_hma import handshake
-from vllm_nixl_hma.blocks import GroupKind
-from vllm_nixl_hma.errors import IncompatibleRemoteError
-from vllm_nixl_hma.handshake import GroupRecord, HandshakeError, MalformedHandshakeError
+from vllm_nixl_hma.core import handshake
+from vllm_nixl_hma.core.blocks import GroupKind
+from vllm_nixl_hma.core.errors import IncompatibleRemoteError
+from vllm_nixl_hma.core.handshake import GroupRecord, HandshakeError, MalformedHandshakeError
 
 RATIO = 5
 

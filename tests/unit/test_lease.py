@@ -11,8 +11,9 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from tests.unit.test_connector import small_configs
-from vllm_nixl_hma import NixlHMAConnector, lease
-from vllm_nixl_hma.worker import LEASE_DEADLINES_ATTR
+from vllm_nixl_hma import NixlHMAConnector
+from vllm_nixl_hma.core import lease
+from vllm_nixl_hma.v021.worker import LEASE_DEADLINES_ATTR
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_nixl_hma import lease
+from vllm_nixl_hma.core import lease
 
 
 def test_no_deadline_means_no_lease():

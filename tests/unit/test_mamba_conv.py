@@ -1,4 +1,4 @@
-"""vllm_nixl_hma.mamba_conv against a byte-level simulation of P and D conv pages.
+"""vllm_nixl_hma.core.mamba_conv against a byte-level simulation of P and D conv pages.
 
 Every byte of a rank's conv page is labelled with the global channel it belongs to
 (``channel id * row bytes + byte in row``), so a read that puts B where C belongs, or
@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from vllm_nixl_hma.mamba_conv import (
+from vllm_nixl_hma.core.mamba_conv import (
     GatedDeltaNetState,
     Mamba2State,
     ReadSlice,
@@ -314,7 +314,7 @@ def test_module_imports_neither_vllm_nor_torch():
     script = textwrap.dedent(
         """
         import sys
-        import vllm_nixl_hma.mamba_conv
+        import vllm_nixl_hma.core.mamba_conv
         print("heavy:", sorted(m for m in ("vllm", "torch") if m in sys.modules))
         """
     )
@@ -498,7 +498,7 @@ def test_gdn_local_sizes_match_vllms_state_shape(tp):
 def test_state_model_of_reads_each_layer_type_from_its_config_fields():
     from types import SimpleNamespace
 
-    from vllm_nixl_hma.mamba_conv import state_model_of
+    from vllm_nixl_hma.core.mamba_conv import state_model_of
 
     qwen3_next = SimpleNamespace(
         linear_num_key_heads=16,

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
-from vllm_nixl_hma import blocks, page_runs
+from vllm_nixl_hma.core import blocks, page_runs
 from vllm_nixl_hma.harness.read_path import build_read_path_worker
 
 PAGE_BYTES = 256

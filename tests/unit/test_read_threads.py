@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from vllm_nixl_hma import read_threads
-from vllm_nixl_hma.read_threads import DEFAULT_SPLIT_BATCH_SIZE, split_batch_size_from
-from vllm_nixl_hma.worker import build_nixl_agent
+from vllm_nixl_hma.core import read_threads
+from vllm_nixl_hma.core.read_threads import DEFAULT_SPLIT_BATCH_SIZE, split_batch_size_from
+from vllm_nixl_hma.v021.worker import build_nixl_agent
 
 
 @pytest.mark.parametrize("extra_config", [None, {}, {"num_threads": 8}])

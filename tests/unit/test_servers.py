@@ -173,8 +173,9 @@ def test_an_engine_that_dies_while_starting_is_named_with_its_root_cause(tmp_pat
     assert str(error).count("\n") == 0 and str(tmp_path / "reference.log") in str(error)
 
 
-def test_e2e_exits_5_with_one_line_when_the_reference_cannot_start(tmp_path, mocker, capsys):
-    """Through the command: no traceback, exit code 5 (nothing could run)."""
+def test_e2e_exits_5_with_one_line_when_the_reference_cannot_start(tmp_path, mocker, capfd):
+    """Through the command: no traceback, exit code 5 (nothing could run); the
+    one line is in the result table on stdout, progress on stderr."""
     from vllm_nixl_hma import cli
     from vllm_nixl_hma.e2e import servers
 
@@ -182,10 +183,14 @@ def test_e2e_exits_5_with_one_line_when_the_reference_cannot_start(tmp_path, moc
     model.mkdir()
     mocker.patch.object(servers.EngineSpec, "command", lambda self: [sys.executable, "-c", DYING])
     code = cli.main(["e2e", "--model", str(model), "--start-timeout", "60"])
-    err = capsys.readouterr().err
+    out, err = capfd.readouterr()
     assert code == cli.ExitCode.NOTHING_RAN == 5
-    failed = [line for line in err.splitlines() if line.startswith("FAILED")]
+    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and failed[0].startswith(
         "FAILED: reference engine exited with code 1 while starting: RuntimeError: Worker failed"
-    ), err
-    assert "Traceback" not in err
+    ), out
+    assert out.splitlines()[-1] == "0 passed, 1 failed", out
+    assert "[e2e] failed: reference engine exited" in err
+    assert "Traceback" not in out + err
+    print("stdout still ours")  # fd 1 given back after the command
+    assert capfd.readouterr().out == "stdout still ours\n"

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from vllm_nixl_hma import side_channel
+from vllm_nixl_hma.core import side_channel
 
 
 @pytest.mark.parametrize("total_s", [0.3, 1.0, 5.0, 30.0])

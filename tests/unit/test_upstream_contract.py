@@ -15,8 +15,9 @@ import gc
 
 import pytest
 
-from vllm_nixl_hma import _compat, upstream_contract
-from vllm_nixl_hma.errors import UpstreamDriftError
+from vllm_nixl_hma import _compat
+from vllm_nixl_hma.core import upstream_contract
+from vllm_nixl_hma.core.errors import UpstreamDriftError
 
 ADAPTER = _compat.adapter()
 CONTRACT = upstream_contract.V021 if ADAPTER == "v021" else upstream_contract.V033
@@ -30,8 +31,8 @@ def glue():
             NixlConnectorWorker,
         )
 
-        from vllm_nixl_hma.connector import NixlHMAConnector
-        from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+        from vllm_nixl_hma.v021.connector import NixlHMAConnector
+        from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
         return NixlHMAConnectorWorker, NixlConnectorWorker, NixlHMAConnector, NixlConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
@@ -110,7 +111,7 @@ def test_state_upstream_no_longer_sets_stops_the_worker(monkeypatch, name):
 
     monkeypatch.setattr(upstream, "__init__", upstream_init)
     if ADAPTER == "v021":
-        from vllm_nixl_hma import worker as worker_module
+        from vllm_nixl_hma.v021 import worker as worker_module
 
         monkeypatch.setattr(worker_module.read_threads, "split_batch_size_from", lambda _: 32)
     vllm_config = type("Config", (), {"kv_transfer_config": None})()
@@ -139,7 +140,7 @@ if ADAPTER == "v021":  # our schedulers are vLLM 0.21.0 glue (0.33 needs none)
     def test_a_scheduler_method_gone_upstream_stops_our_scheduler(monkeypatch):
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from vllm_nixl_hma.scheduler import NixlHMAScheduler
+        from vllm_nixl_hma.v021.scheduler import NixlHMAScheduler
 
         monkeypatch.delattr(Scheduler, "_update_requests_with_invalid_blocks")
         with pytest.raises(UpstreamDriftError, match="_update_requests_with_invalid_blocks"):

@@ -26,7 +26,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from tests.reference import FULL, MAMBA, SWA
 from vllm_nixl_hma import NixlHMAConnectorWorker
 from vllm_nixl_hma.harness.read_path import build_read_path_worker
-from vllm_nixl_hma.scheduler import (
+from vllm_nixl_hma.v021.scheduler import (
     FACTORY_PATH,
     NixlHMAScheduler,
     handles_multi_group_failures,
@@ -91,7 +91,7 @@ def test_under_hma_a_foreign_scheduler_gets_no_report_and_a_warning(mocker):
     worker = worker_for(mocker, [FULL, MAMBA], True)
     worker.vllm_config.scheduler_config.scheduler_cls = "my.Scheduler"
     worker._recving_metadata["req-1"] = request_meta([[3], [11]])
-    warning = mocker.patch("vllm_nixl_hma.worker.logger.warning_once")
+    warning = mocker.patch("vllm_nixl_hma.v021.worker.logger.warning_once")
     worker._report_invalid_blocks_of("req-1")
     assert worker._invalid_block_ids == set()
     warning.assert_called_once()
@@ -105,8 +105,8 @@ class OwnScheduler(NixlHMAScheduler):
     "scheduler_cls",
     [
         FACTORY_PATH,
-        "vllm_nixl_hma.scheduler.NixlHMAScheduler",  # named explicitly: once refused
-        "vllm_nixl_hma.scheduler.NixlHMAAsyncScheduler",
+        "vllm_nixl_hma.v021.scheduler.NixlHMAScheduler",  # named explicitly: once refused
+        "vllm_nixl_hma.v021.scheduler.NixlHMAAsyncScheduler",
         NixlHMAScheduler,
         OwnScheduler,
         f"{__name__}.OwnScheduler",

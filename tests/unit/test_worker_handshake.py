@@ -16,8 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 
 from tests.property.test_handshake_fuzz import ENGINE, HASH, stock_payload, valid_outer
 from tests.unit.test_handshake import record
-from vllm_nixl_hma.handshake import CompatibilityHashMismatch
-from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+from vllm_nixl_hma.core.handshake import CompatibilityHashMismatch
+from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
 
 class AnsweringSocket:

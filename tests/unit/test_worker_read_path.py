@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnect
 
 from tests.reference import FULL, MAMBA, SWA, build_side, pairing_errors
 from vllm_nixl_hma import NixlHMAConnectorWorker
-from vllm_nixl_hma.errors import IncompatibleRemoteError
+from vllm_nixl_hma.core.errors import IncompatibleRemoteError
 from vllm_nixl_hma.harness.read_path import (
     LOCAL_XFER_HANDLE,
     REMOTE_ENGINE,

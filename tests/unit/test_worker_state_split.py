@@ -10,8 +10,8 @@ import torch  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
-from vllm_nixl_hma.errors import UnsupportedModelError  # noqa: E402
-from vllm_nixl_hma.worker import derive_state_split  # noqa: E402
+from vllm_nixl_hma.core.errors import UnsupportedModelError  # noqa: E402
+from vllm_nixl_hma.v021.worker import derive_state_split  # noqa: E402
 
 # Qwen3-Next-like: q, k of 2 heads x 16, v of 8 heads x 32; conv kernel 4
 GDN_CONFIG = SimpleNamespace(

@@ -9,10 +9,11 @@ import json
 
 import pytest
 
-from vllm_nixl_hma import _compat, config_hook, plugin
-from vllm_nixl_hma.errors import UnsupportedVersionError
+from vllm_nixl_hma import _compat, plugin
+from vllm_nixl_hma.core.errors import UnsupportedVersionError
 from vllm_nixl_hma.harness import layout
 from vllm_nixl_hma.harness.model_shapes import LAYOUTS_V033
+from vllm_nixl_hma.v021 import config_hook
 
 pytestmark = pytest.mark.vllm033
 
@@ -41,7 +42,7 @@ def test_the_name_resolves_to_our_pull_connector_with_our_worker():
 
 def test_the_021_glue_refuses_to_import_here():
     with pytest.raises(UnsupportedVersionError, match="glue for vLLM ==0.21.0"):
-        import vllm_nixl_hma.connector  # noqa: F401
+        import vllm_nixl_hma.v021.connector  # noqa: F401
 
 
 @pytest.fixture(scope="module")

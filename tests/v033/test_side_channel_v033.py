@@ -17,7 +17,7 @@ import time
 import msgspec
 import pytest
 
-from vllm_nixl_hma import side_channel
+from vllm_nixl_hma.core import side_channel
 
 pytestmark = pytest.mark.vllm033
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_nixl_hma import mamba_conv
+from vllm_nixl_hma.core import mamba_conv
 
 pytestmark = pytest.mark.vllm033
 

@@ -30,7 +30,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vllm_nixl_hma import lease, proxy
+from vllm_nixl_hma import proxy
+from vllm_nixl_hma.core import lease
 from vllm_nixl_hma.e2e.servers import HTTPResult, post_json
 
 __all__ = ["FAULTS", "POLICIES", "FaultResult", "broken_params", "decode", "prefill", "verdict"]

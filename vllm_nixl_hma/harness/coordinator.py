@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_nixl_hma import lease
+from vllm_nixl_hma.core import lease
 from vllm_nixl_hma.harness.rank import rank_main
 
 COMMAND_TIMEOUT_S = 300.0

@@ -120,7 +120,7 @@ class RankEngine:
             if V033:
                 from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
             else:
-                from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+                from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
             return NixlHMAConnectorWorker
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
@@ -130,7 +130,7 @@ class RankEngine:
         return NixlConnectorWorker
 
     def describe(self) -> dict[str, Any]:
-        from vllm_nixl_hma.groups import group_kinds_of
+        from vllm_nixl_hma.core.groups import group_kinds_of
 
         layout = self.layout
         return {
@@ -449,8 +449,8 @@ def _load(
         )
     if not V033:
         # as NixlHMAConnector.build_connector_meta hands lease ends to its workers
-        from vllm_nixl_hma import lease
-        from vllm_nixl_hma.worker import LEASE_DEADLINES_ATTR
+        from vllm_nixl_hma.core import lease
+        from vllm_nixl_hma.v021.worker import LEASE_DEADLINES_ATTR
 
         setattr(
             metadata,

@@ -89,7 +89,7 @@ def build_read_path_worker(
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
     from vllm.v1.attention.backends.flashinfer import FlashInferBackend
 
-    from vllm_nixl_hma.worker import FailedRequests, NixlHMAConnectorWorker
+    from vllm_nixl_hma.v021.worker import FailedRequests, NixlHMAConnectorWorker
 
     worker = object.__new__(worker_cls)
     config = kv_cache_config(
@@ -255,8 +255,12 @@ def build_live_read_path(
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from vllm_nixl_hma.read_threads import DEFAULT_SPLIT_BATCH_SIZE
-    from vllm_nixl_hma.worker import NixlHMAConnectorWorker, build_nixl_agent, derive_state_split
+    from vllm_nixl_hma.core.read_threads import DEFAULT_SPLIT_BATCH_SIZE
+    from vllm_nixl_hma.v021.worker import (
+        NixlHMAConnectorWorker,
+        build_nixl_agent,
+        derive_state_split,
+    )
 
     # as vLLM 0.21.0 configures its agents with UCX alone
     config = nixl_agent_config(num_threads=nixl_threads)

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  
     NixlPullConnectorScheduler,
 )
 
-from vllm_nixl_hma import lease, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core import lease, upstream_contract  # noqa: E402
 from vllm_nixl_hma.v033.worker import (  # noqa: E402
     LEASE_EXTENSIONS_ATTR,
     NixlHMAConnectorWorker,

@@ -81,10 +81,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # no
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec  # noqa: E402
 
-from vllm_nixl_hma import blocks, handshake, lease, upstream_contract  # noqa: E402
-from vllm_nixl_hma.errors import BlockAlignmentError, UnsupportedModelError  # noqa: E402
-from vllm_nixl_hma.groups import group_kinds  # noqa: E402
-from vllm_nixl_hma.state_split import (  # noqa: E402
+from vllm_nixl_hma.core import blocks, handshake, lease, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core.errors import BlockAlignmentError, UnsupportedModelError  # noqa: E402
+from vllm_nixl_hma.core.groups import group_kinds  # noqa: E402
+from vllm_nixl_hma.core.state_split import (  # noqa: E402
     StateSplit,
     derive_state_split,
     remote_page_reads,

@@ -44,9 +44,9 @@ def _swaps() -> tuple:
     import vllm.v1.core.sched.async_scheduler as async_scheduler
     import vllm.v1.core.sched.scheduler as scheduler
 
-    from vllm_nixl_hma.connector import NixlHMAConnector
-    from vllm_nixl_hma.scheduler import NixlHMAAsyncScheduler, NixlHMAScheduler
-    from vllm_nixl_hma.worker import NixlHMAConnectorWorker
+    from vllm_nixl_hma.v021.connector import NixlHMAConnector
+    from vllm_nixl_hma.v021.scheduler import NixlHMAAsyncScheduler, NixlHMAScheduler
+    from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
     return (
         (nixl_package, "NixlConnector", NixlHMAConnector),

@@ -75,7 +75,7 @@ method, and every byte of data movement, is upstream's.
     Why: with several KV cache groups upstream reports no invalid block for a
     request whose KV did not arrive (handshake refused, transfer setup or
     transfer failed): the request decodes on garbage (vLLM issue #52234).
-    How: when vLLM runs ``vllm_nixl_hma.scheduler``'s schedulers (the config
+    How: when vLLM runs ``vllm_nixl_hma.v021.scheduler``'s schedulers (the config
     hook selects them), every local block of such a request, in every group,
     is reported through ``get_block_ids_with_load_errors``; those schedulers
     then apply ``kv_load_failure_policy``. Remove when: upstream does both.
@@ -161,7 +161,7 @@ import numpy as np
 from vllm_nixl_hma import _compat
 from vllm_nixl_hma._compat import require_adapter
 
-require_adapter("v021", "vllm_nixl_hma.worker")
+require_adapter("v021", "vllm_nixl_hma.v021.worker")
 
 from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
     BlockIds,
@@ -187,8 +187,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
 )
 
-from vllm_nixl_hma import (  # noqa: E402
-    __version__,
+from vllm_nixl_hma import __version__  # noqa: E402
+from vllm_nixl_hma.core import (  # noqa: E402
     blocks,
     handshake,
     lease,
@@ -197,11 +197,11 @@ from vllm_nixl_hma import (  # noqa: E402
     side_channel,
     upstream_contract,
 )
-from vllm_nixl_hma.errors import (  # noqa: E402
+from vllm_nixl_hma.core.errors import (  # noqa: E402
     BlockAlignmentError,
 )
-from vllm_nixl_hma.groups import group_kinds_of  # noqa: E402
-from vllm_nixl_hma.state_split import (  # noqa: E402
+from vllm_nixl_hma.core.groups import group_kinds_of  # noqa: E402
+from vllm_nixl_hma.core.state_split import (  # noqa: E402
     StateSplit,
     derive_state_split,
     remote_page_reads,
@@ -1124,7 +1124,7 @@ class NixlHMAConnectorWorker(NixlConnectorWorker):
 
     @functools.cached_property
     def _scheduler_handles_multi_group_failures(self) -> bool:
-        from vllm_nixl_hma.scheduler import handles_multi_group_failures
+        from vllm_nixl_hma.v021.scheduler import handles_multi_group_failures
 
         return handles_multi_group_failures(self.vllm_config.scheduler_config.scheduler_cls)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_nixl_hma import mamba_conv
-from vllm_nixl_hma.errors import IncompatibleRemoteError, UnsupportedModelError
+from vllm_nixl_hma.core import mamba_conv
+from vllm_nixl_hma.core.errors import IncompatibleRemoteError, UnsupportedModelError
 
 __all__ = [
     "UPSTREAM_CONV_PARTS",

@@ -33,8 +33,8 @@ from typing import Any
 
 import msgspec
 
-from vllm_nixl_hma.blocks import GroupKind, check_alignable
-from vllm_nixl_hma.errors import IncompatibleRemoteError
+from vllm_nixl_hma.core.blocks import GroupKind, check_alignable
+from vllm_nixl_hma.core.errors import IncompatibleRemoteError
 
 __all__ = [
     "PAYLOAD_FIELD",

@@ -20,7 +20,7 @@ What it does for a Mamba hybrid (attention + Mamba/SSM layers):
   moves Mamba state only under HMA.
 
 For every config that selects NixlHMAConnector (hybrid or not) and names no
-scheduler class of its own, it selects ``vllm_nixl_hma.scheduler``'s factory,
+scheduler class of its own, it selects ``vllm_nixl_hma.v021.scheduler``'s factory,
 whose schedulers can fail or recompute a multi-group request whose KV did not
 arrive (vLLM 0.21.0's cannot; the worker reports such requests only to them).
 
@@ -79,7 +79,7 @@ def apply(vllm_config: VllmConfig) -> None:
     if _compat.adapter() == "v033":
         return
     if vllm_config.scheduler_config.scheduler_cls is None:
-        from vllm_nixl_hma.scheduler import FACTORY_PATH
+        from vllm_nixl_hma.v021.scheduler import FACTORY_PATH
 
         vllm_config.scheduler_config.scheduler_cls = FACTORY_PATH
     if not _is_mamba_hybrid(vllm_config):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_nixl_hma.errors import UpstreamDriftError
+from vllm_nixl_hma.core.errors import UpstreamDriftError
 
 __all__ = ["V021", "V033", "Contract", "require"]
 

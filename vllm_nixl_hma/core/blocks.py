@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from vllm_nixl_hma.errors import BlockAlignmentError, IncompatibleRemoteError
+from vllm_nixl_hma.core.errors import BlockAlignmentError, IncompatibleRemoteError
 
 __all__ = [
     "GroupKind",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_nixl_hma._compat import require_adapter
 
-require_adapter("v021", "vllm_nixl_hma.connector")
+require_adapter("v021", "vllm_nixl_hma.v021.connector")
 
 from vllm import envs  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
@@ -27,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (  # noq
     NixlConnectorScheduler,
 )
 
-from vllm_nixl_hma import lease, upstream_contract  # noqa: E402
-from vllm_nixl_hma.worker import LEASE_DEADLINES_ATTR, NixlHMAConnectorWorker  # noqa: E402
+from vllm_nixl_hma.core import lease, upstream_contract  # noqa: E402
+from vllm_nixl_hma.v021.worker import LEASE_DEADLINES_ATTR, NixlHMAConnectorWorker  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

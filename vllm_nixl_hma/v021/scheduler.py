@@ -21,7 +21,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_nixl_hma import upstream_contract
+from vllm_nixl_hma.core import upstream_contract
 
 __all__ = [
     "FACTORY_PATH",
@@ -31,7 +31,7 @@ __all__ = [
     "make_scheduler",
 ]
 
-FACTORY_PATH = "vllm_nixl_hma.scheduler.make_scheduler"
+FACTORY_PATH = "vllm_nixl_hma.v021.scheduler.make_scheduler"
 NULL_BLOCK_ID = 0  # vLLM's BlockPool null block: shared by every request, never invalid
 
 
@@ -121,7 +121,7 @@ def handles_multi_group_failures(scheduler_cls: object) -> bool:
     request of several KV cache groups: our factory, or any class built on
     ``HybridInvalidBlocksMixin``, whether configured as an object or as its
     qualified name (``module.attr``). Judged by the object, not the string: a
-    user who names ``vllm_nixl_hma.scheduler.NixlHMAScheduler`` or a subclass
+    user who names ``vllm_nixl_hma.v021.scheduler.NixlHMAScheduler`` or a subclass
     of their own keeps failing closed."""
     target = scheduler_cls
     if isinstance(scheduler_cls, str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_nixl_hma import blocks
+from vllm_nixl_hma.core import blocks
 
 __all__ = ["group_kinds", "group_kinds_of"]
 

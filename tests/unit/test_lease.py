@@ -13,7 +13,7 @@ from vllm.v1.request import Request, RequestStatus
 from tests.unit.test_connector import small_configs
 from vllm_nixl_hma import NixlHMAConnector
 from vllm_nixl_hma.core import lease
-from vllm_nixl_hma.v021.worker import LEASE_DEADLINES_ATTR
+from vllm_nixl_hma.v021.lease_checks import LEASE_DEADLINES_ATTR
 
 
 @pytest.mark.parametrize(

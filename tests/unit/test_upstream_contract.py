@@ -47,9 +47,13 @@ def glue():
 
 
 def overrides(ours: type, upstream: type) -> set[str]:
+    """Methods our classes (the worker and the mixins it is made of) define
+    that upstream's class has too."""
+    own = [cls for cls in ours.__mro__ if cls.__module__.startswith("vllm_nixl_hma.")]
     return {
         name
-        for name, value in vars(ours).items()
+        for cls in own
+        for name, value in vars(cls).items()
         if callable(value) and name != "__init__" and hasattr(upstream, name)
     }
 

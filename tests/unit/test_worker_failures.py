@@ -91,7 +91,7 @@ def test_under_hma_a_foreign_scheduler_gets_no_report_and_a_warning(mocker):
     worker = worker_for(mocker, [FULL, MAMBA], True)
     worker.vllm_config.scheduler_config.scheduler_cls = "my.Scheduler"
     worker._recving_metadata["req-1"] = request_meta([[3], [11]])
-    warning = mocker.patch("vllm_nixl_hma.v021.worker.logger.warning_once")
+    warning = mocker.patch("vllm_nixl_hma.v021.failures.logger.warning_once")
     worker._report_invalid_blocks_of("req-1")
     assert worker._invalid_block_ids == set()
     warning.assert_called_once()

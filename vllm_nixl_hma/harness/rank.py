@@ -450,7 +450,7 @@ def _load(
     if not V033:
         # as NixlHMAConnector.build_connector_meta hands lease ends to its workers
         from vllm_nixl_hma.core import lease
-        from vllm_nixl_hma.v021.worker import LEASE_DEADLINES_ATTR
+        from vllm_nixl_hma.v021.lease_checks import LEASE_DEADLINES_ATTR
 
         setattr(
             metadata,

@@ -28,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (  # noq
 )
 
 from vllm_nixl_hma.core import lease, upstream_contract  # noqa: E402
-from vllm_nixl_hma.v021.worker import LEASE_DEADLINES_ATTR, NixlHMAConnectorWorker  # noqa: E402
+from vllm_nixl_hma.v021.lease_checks import LEASE_DEADLINES_ATTR  # noqa: E402
+from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -39,6 +39,34 @@ class Contract:
     scheduler_overrides: tuple[str, ...]
     scheduler_state: tuple[str, ...]
 
+    def require_worker_class(self, upstream_worker: type) -> None:
+        """Before upstream's constructor: the methods we override or call."""
+        require(
+            upstream_worker,
+            self.worker_overrides + self.worker_calls,
+            owner_name=upstream_worker.__name__,
+            release=self.release,
+        )
+
+    def require_state(
+        self, instance: object, names: tuple[str, ...], upstream: type, after: str
+    ) -> None:
+        """After an upstream step (``after``): the state it must have set."""
+        require(
+            instance, names, owner_name=f"{upstream.__name__} (after {after})", release=self.release
+        )
+
+    def require_connector_class(self, upstream_connector: type, interface: type) -> None:
+        """The connector methods we override, implemented by upstream's
+        connector and not only declared by the abstract ``interface``."""
+        require(
+            upstream_connector,
+            self.connector_overrides,
+            owner_name=upstream_connector.__name__,
+            release=self.release,
+            below=interface,
+        )
+
 
 V021 = Contract(
     release="0.21.0",

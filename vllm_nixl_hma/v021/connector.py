@@ -68,13 +68,7 @@ class NixlHMAConnector(NixlConnector):
         that this is the same attribute set upstream's constructor leaves.
         Remove when: upstream takes the worker class as a parameter.
         """
-        upstream_contract.require(
-            NixlConnector,
-            upstream_contract.V021.connector_overrides,
-            owner_name="NixlConnector",
-            release=upstream_contract.V021.release,
-            below=KVConnectorBase_V1,
-        )
+        upstream_contract.V021.require_connector_class(NixlConnector, KVConnectorBase_V1)
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         kv_transfer_config = vllm_config.kv_transfer_config
         if kv_transfer_config is None or kv_transfer_config.engine_id is None:

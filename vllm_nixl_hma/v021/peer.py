@@ -26,6 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
     NixlAgentMetadata,
     NixlHandshakePayload,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (  # noqa: E402
+    NixlConnectorWorker,
+)
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
@@ -155,11 +158,9 @@ class PeerChecks:
         ``HandshakeRecord``. Remove when: upstream carries an equivalent.
         """
         super().register_kv_caches(kv_caches)
-        upstream_contract.require(
-            self,
-            upstream_contract.V021.worker_registered_state,
-            owner_name="NixlConnectorWorker (after register_kv_caches)",
-            release=upstream_contract.V021.release,
+        contract = upstream_contract.V021
+        contract.require_state(
+            self, contract.worker_registered_state, NixlConnectorWorker, "register_kv_caches"
         )
         self._handshake_record = self._build_handshake_record(kv_caches)
         payload = self.xfer_handshake_metadata

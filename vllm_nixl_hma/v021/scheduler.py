@@ -57,12 +57,7 @@ class HybridInvalidBlocksMixin:
             release=contract.release,
         )
         super().__init__(*args, **kwargs)
-        upstream_contract.require(
-            self,
-            contract.scheduler_state,
-            owner_name="Scheduler (after its constructor)",
-            release=contract.release,
-        )
+        contract.require_state(self, contract.scheduler_state, Scheduler, "its constructor")
 
     def _update_requests_with_invalid_blocks(
         self,

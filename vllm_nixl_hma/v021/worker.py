@@ -248,12 +248,7 @@ class NixlHMAConnectorWorker(
         nixl_note = _compat.untested_nixl()
         if nixl_note:
             logger.warning_once("NixlHMAConnector: %s", nixl_note)
-        upstream_contract.require(
-            NixlConnectorWorker,
-            contract.worker_overrides + contract.worker_calls,
-            owner_name="NixlConnectorWorker",
-            release=contract.release,
-        )
+        contract.require_worker_class(NixlConnectorWorker)
         upstream_contract.require(
             upstream_worker_module,
             contract.worker_module,
@@ -284,12 +279,7 @@ class NixlHMAConnectorWorker(
         finally:
             upstream_worker_module.derive_mamba_conv_split = upstream_split
             upstream_worker_module.NixlWrapper = upstream_agent_cls
-        upstream_contract.require(
-            self,
-            contract.worker_state,
-            owner_name="NixlConnectorWorker (after its constructor)",
-            release=contract.release,
-        )
+        contract.require_state(self, contract.worker_state, NixlConnectorWorker, "its constructor")
         self._failed_recv_reqs = FailedRequests(self._failed_recv_reqs)
 
     @property

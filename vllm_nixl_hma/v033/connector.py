@@ -64,13 +64,7 @@ class NixlHMAConnector(NixlPullConnector):
         the worker as ``worker_cls``. Remove when: upstream takes the worker
         class as a parameter.
         """
-        upstream_contract.require(
-            NixlPullConnector,
-            upstream_contract.V033.connector_overrides,
-            owner_name="NixlPullConnector",
-            release=upstream_contract.V033.release,
-            below=KVConnectorBase_V1,
-        )
+        upstream_contract.V033.require_connector_class(NixlPullConnector, KVConnectorBase_V1)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(

@@ -128,18 +128,10 @@ class NixlHMAConnectorWorker(NixlPullConnectorWorker):
         nixl_note = _compat.untested_nixl()
         if nixl_note:
             logger.warning_once("NixlHMAConnector: %s", nixl_note)
-        upstream_contract.require(
-            NixlPullConnectorWorker,
-            contract.worker_overrides + contract.worker_calls,
-            owner_name="NixlPullConnectorWorker",
-            release=contract.release,
-        )
+        contract.require_worker_class(NixlPullConnectorWorker)
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        upstream_contract.require(
-            self,
-            contract.worker_state,
-            owner_name="NixlPullConnectorWorker (after its constructor)",
-            release=contract.release,
+        contract.require_state(
+            self, contract.worker_state, NixlPullConnectorWorker, "its constructor"
         )
         self._lease_margin_s = float(
             self.kv_transfer_config.get_from_extra_config("lease_margin_s", lease.DEFAULT_MARGIN_S)

@@ -295,3 +295,55 @@ def test_a_sliding_window_group_across_unequal_ratios_is_refused():
             kinds,
             local_prefix_caching=False,
         )
+
+
+# --- the one check framework both releases use (refuse_mismatches)
+
+
+def test_the_first_differing_check_in_order_is_the_refusal():
+    checks = [
+        handshake.FieldCheck("first", 1, 1, "r1"),
+        handshake.FieldCheck("second", "a", "b", "r2"),
+        handshake.FieldCheck("third", 1, 2, "r3"),
+    ]
+    with pytest.raises(HandshakeError, match="second") as excinfo:
+        handshake.refuse_mismatches(checks)
+    assert "third" not in str(excinfo.value)
+    assert "'a'" in str(excinfo.value) and "'b'" in str(excinfo.value)
+    handshake.refuse_mismatches(checks[:1])  # all equal: no refusal
+
+
+@pytest.mark.parametrize(
+    ("local_pc", "remote_pc", "field"),
+    [
+        (False, True, "prefix_caching"),  # the peer says it caches prefixes
+        (True, False, "prefix_caching"),
+        (True, None, None),  # the peer says nothing: decode's own setting refuses
+    ],
+)
+def test_unequal_ratios_with_prefix_caching_on_either_side_are_refused(local_pc, remote_pc, field):
+    pairing = handshake.Pairing(
+        [GroupKind.MAMBA, GroupKind.FULL_ATTENTION],
+        4,
+        8,
+        local_prefix_caching=local_pc,
+        remote_prefix_caching=remote_pc,
+    )
+    with pytest.raises(IncompatibleRemoteError) as excinfo:
+        handshake.refuse_mismatches([], pairing)
+    if field is not None:
+        assert excinfo.value.field == field
+    assert "no-enable-prefix-caching" in str(excinfo.value)
+
+
+def test_unequal_ratios_without_prefix_caching_pair():
+    handshake.refuse_mismatches(
+        [],
+        handshake.Pairing(
+            [GroupKind.MAMBA, GroupKind.FULL_ATTENTION],
+            4,
+            8,
+            local_prefix_caching=False,
+            remote_prefix_caching=False,
+        ),
+    )

@@ -30,3 +30,54 @@ def test_a_posted_heartbeat_extends_by_prefills_extension_only_if_prefill_said_i
 def test_a_read_within_the_margin_of_the_local_deadline_is_too_late(now, expected):
     deadline = lease.local_deadline(1030.0, 1000.0)
     assert lease.expired(deadline, now, margin_s=5.0) is expected
+
+
+# --- the rules both releases' workers apply (lease.refuse_read, untrusted_read)
+
+
+@pytest.mark.parametrize(
+    ("now", "local_blocks", "refused"),
+    [
+        (94.0, [[3, 4], []], False),  # 6 s before the end: outside the 5 s margin
+        (96.0, [[3, 4], []], True),  # 4 s before the end: inside it
+        (200.0, [[3, 4], []], True),  # long after
+        (200.0, [[], []], False),  # nothing to read, only prefill to notify
+        (200.0, [], False),  # no group at all (a notify-only copy)
+    ],
+)
+def test_a_read_starts_only_outside_the_margin_and_only_with_blocks_to_read(
+    now, local_blocks, refused
+):
+    assert lease.refuse_read(100.0, now, 5.0, local_blocks) is refused
+
+
+def test_no_deadline_refuses_nothing():
+    assert lease.refuse_read(None, 1e12, 5.0, [[1]]) is False
+    assert lease.untrusted_read(None, 1e12, 5.0) is False
+
+
+@pytest.mark.parametrize(("finished", "untrusted"), [(94.9, False), (95.1, True)])
+def test_a_finished_read_is_untrusted_inside_the_margin(finished, untrusted):
+    assert lease.untrusted_read(100.0, finished, 5.0) is untrusted
+
+
+def test_the_margin_comes_from_the_extra_config_or_the_default():
+    assert lease.configured_margin_s(None) == 5.0
+    assert lease.configured_margin_s({}) == 5.0
+    assert lease.configured_margin_s({"lease_margin_s": "0.5"}) == 0.5
+
+
+def test_only_requests_whose_params_carry_the_field_are_handed_to_the_workers():
+    entries = [
+        ("a", {lease.PARAM: 1.5, "other": 1}),
+        ("b", {"other": 2}),  # no lease: nothing carried
+        ("c", None),  # no kv_transfer_params at all
+        (None, {lease.PARAM: 9.0}),  # no key (no remote request id): skipped
+        ("d", {lease.PARAM: 0.0}),  # a falsy value is still carried
+    ]
+    assert lease.carried_by_request(entries, lease.PARAM) == {"a": 1.5, "d": 0.0}
+
+
+def test_the_missing_attribute_warning_names_the_attribute_and_the_consequence():
+    text = lease.missing_attribute_warning("vllm_nixl_hma_x", "reads are not checked")
+    assert "vllm_nixl_hma_x" in text and text.endswith("; reads are not checked")

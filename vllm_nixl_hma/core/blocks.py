@@ -216,6 +216,25 @@ def align_kernel_ids_by_group(
     return local_aligned, remote_aligned
 
 
+def align_kernel_id_lists(
+    local_kernel_ids_by_group: Sequence[KernelIds],
+    remote_kernel_ids_by_group: Sequence[KernelIds],
+    group_kinds: Sequence[GroupKind],
+    local_physical_per_logical: int,
+    remote_physical_per_logical: int,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``align_kernel_ids_by_group`` as the lists of ints vLLM's read path
+    takes (both releases' ``_apply_prefix_caching``)."""
+    local_aligned, remote_aligned = align_kernel_ids_by_group(
+        local_kernel_ids_by_group,
+        remote_kernel_ids_by_group,
+        group_kinds,
+        local_physical_per_logical=local_physical_per_logical,
+        remote_physical_per_logical=remote_physical_per_logical,
+    )
+    return [ids.tolist() for ids in local_aligned], [ids.tolist() for ids in remote_aligned]
+
+
 def check_alignable(
     group_kinds: Sequence[GroupKind],
     local_physical_per_logical: int,

@@ -19,6 +19,12 @@ On vLLM 0.33 decode checks prefill's agent metadata itself, which carries
 enough there (``AgentFacts``, ``refuse_before_loading``), before the agent is
 loaded; no record travels.
 
+One check serves both releases and the stock-peer record: a list of
+``FieldCheck`` (field, local value, remote value, remedy) refused at the first
+difference, then whether the two engines' kernel blocks can be paired
+(``Pairing``), by ``refuse_mismatches``. ``record_checks`` and
+``agent_fact_checks`` build the lists for 0.21 and 0.33.
+
 Version history (``RECORD_VERSION``):
   1: groups (kind, kernel-per-logical ratio), kernel and logical block tokens,
      regions (is each registered region Mamba state), KV layout, dtypes, conv
@@ -27,7 +33,7 @@ Version history (``RECORD_VERSION``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +45,8 @@ from vllm_nixl_hma.core.errors import IncompatibleRemoteError
 __all__ = [
     "PAYLOAD_FIELD",
     "AgentFacts",
+    "FieldCheck",
+    "Pairing",
     "PROTOCOL",
     "RECORD_VERSION",
     "CompatibilityHashMismatch",
@@ -48,7 +56,10 @@ __all__ = [
     "ParsedPayload",
     "check_agent_metadata",
     "encode_record",
+    "agent_fact_checks",
     "parse_payload",
+    "record_checks",
+    "refuse_mismatches",
     "record_for_stock_peer",
     "refuse_before_loading",
     "validate_remote",
@@ -219,23 +230,29 @@ def record_for_stock_peer(
         "{what}; run NixlHMAConnector on the prefill engine too"
     )
     local_ratio = attention_ratio(local)
-    for field, local_value, remote_value, what in (
-        (
-            "physical_blocks_per_logical_kv_block",
-            local_ratio,
-            physical_blocks_per_logical,
-            "whether prefill caches prefixes, which decides how unequal ratios pair",
-        ),
-        (
-            "block_size (kernel block tokens)",
-            local.kernel_block_tokens,
-            block_size,
-            "enough to pair kernel blocks of different sizes",
-        ),
-        ("kv_cache_layout", local.kv_cache_layout, kv_cache_layout, "enough to convert layouts"),
-    ):
-        if local_value != remote_value:
-            raise HandshakeError(field, local_value, remote_value, needs_record.format(what=what))
+    refuse_mismatches(
+        FieldCheck(field, local_value, remote_value, needs_record.format(what=what))
+        for field, local_value, remote_value, what in (
+            (
+                "physical_blocks_per_logical_kv_block",
+                local_ratio,
+                physical_blocks_per_logical,
+                "whether prefill caches prefixes, which decides how unequal ratios pair",
+            ),
+            (
+                "block_size (kernel block tokens)",
+                local.kernel_block_tokens,
+                block_size,
+                "enough to pair kernel blocks of different sizes",
+            ),
+            (
+                "kv_cache_layout",
+                local.kv_cache_layout,
+                kv_cache_layout,
+                "enough to convert layouts",
+            ),
+        )
+    )
     return msgspec.structs.replace(local, plugin_version="stock", tp_size=remote_tp_size)
 
 
@@ -276,66 +293,123 @@ def attention_ratio(record: HandshakeRecord) -> int:
     return ratios[0] if ratios else 1
 
 
-def validate_remote(local: HandshakeRecord, remote: HandshakeRecord) -> None:
-    """Every field decode needs to agree on with prefill, in a fixed order;
-    raise a HandshakeError for the first that does not."""
+@dataclass(frozen=True)
+class FieldCheck:
+    """One fact decode and prefill must agree on: the field's name as a
+    refusal shows it, the local and remote values, and what to do."""
 
-    def same(field: str, local_value: Any, remote_value: Any, remedy: str) -> None:
-        if local_value != remote_value:
-            raise HandshakeError(field, local_value, remote_value, remedy)
+    field: str
+    local: Any
+    remote: Any
+    remedy: str
 
-    restart = "start both engines with the same model, dtype and cache settings"
-    same(
-        "KV cache group kinds",
-        [g.kind for g in local.groups],
-        [g.kind for g in remote.groups],
-        "prefill and decode must serve the same model architecture",
-    )
-    same(
-        "regions_mamba (which registered regions hold Mamba state)",
-        local.regions_mamba,
-        remote.regions_mamba,
-        "the engines lay out KV memory differently; " + restart,
-    )
-    same(
-        "kernel_block_tokens",
-        local.kernel_block_tokens,
-        remote.kernel_block_tokens,
-        "the attention kernels use different block sizes (attention backend or TP "
-        "shape); pick an attention backend and --block-size that give both engines "
-        "the same kernel block size",
-    )
-    same("kv_cache_layout", local.kv_cache_layout, remote.kv_cache_layout, restart)
-    same("kv_cache_dtype", local.kv_cache_dtype, remote.kv_cache_dtype, restart)
-    same("mamba_state_dtypes", local.mamba_state_dtypes, remote.mamba_state_dtypes, restart)
-    same(
-        "mamba_conv_state_layout",
-        local.mamba_conv_state_layout,
-        remote.mamba_conv_state_layout,
-        "set VLLM_SSM_CONV_STATE_LAYOUT=DS on both engines",
-    )
-    same(
-        "mamba_cache_mode",
-        local.mamba_cache_mode,
-        remote.mamba_cache_mode,
-        "the engines keep different numbers of Mamba state blocks per request; "
-        "use the same --enable-prefix-caching / --mamba-cache-mode on both",
-    )
-    local_ratio, remote_ratio = attention_ratio(local), attention_ratio(remote)
-    if local_ratio != remote_ratio and (local.prefix_caching or remote.prefix_caching):
+
+@dataclass(frozen=True)
+class Pairing:
+    """What decides whether kernel blocks of the two engines can be paired:
+    the local group kinds, both kernel-per-logical ratios, and whether each
+    engine caches prefixes (``remote_prefix_caching`` None: the peer does not
+    say, as on vLLM 0.33, where only decode's own setting is known)."""
+
+    group_kinds: Sequence[GroupKind]
+    local_ratio: int
+    remote_ratio: int
+    local_prefix_caching: bool
+    remote_prefix_caching: bool | None = None
+
+
+def refuse_mismatches(checks: Iterable[FieldCheck], pairing: Pairing | None = None) -> None:
+    """The one check of this module: raise a HandshakeError for the first
+    check whose values differ, in the given order; then, with ``pairing``,
+    refuse block lists that could not be paired (ratios that differ while
+    either engine caches prefixes; ``blocks.check_alignable``)."""
+    for check in checks:
+        if check.local != check.remote:
+            raise HandshakeError(check.field, check.local, check.remote, check.remedy)
+    if pairing is None:
+        return
+    # a peer that says whether it caches prefixes: either engine doing so
+    # makes unequal ratios unpairable (without a word from the peer,
+    # check_alignable refuses on decode's own setting)
+    if (
+        pairing.remote_prefix_caching is not None
+        and pairing.local_ratio != pairing.remote_ratio
+        and (pairing.local_prefix_caching or pairing.remote_prefix_caching)
+    ):
         raise HandshakeError(
             "prefix_caching",
-            local.prefix_caching,
-            remote.prefix_caching,
-            f"kernel-per-logical ratios differ (local={local_ratio}, remote={remote_ratio}) "
-            "and kernel blocks cannot be aligned after a prefix-cache hit; restart both "
-            "engines with --no-enable-prefix-caching",
+            pairing.local_prefix_caching,
+            pairing.remote_prefix_caching,
+            f"kernel-per-logical ratios differ (local={pairing.local_ratio}, "
+            f"remote={pairing.remote_ratio}) and kernel blocks cannot be aligned after a "
+            "prefix-cache hit; restart both engines with --no-enable-prefix-caching",
         )
     check_alignable(
-        [GroupKind(g.kind) for g in local.groups],
-        local_ratio,
-        remote_ratio,
-        local_prefix_caching=local.prefix_caching,
+        pairing.group_kinds,
+        pairing.local_ratio,
+        pairing.remote_ratio,
+        local_prefix_caching=pairing.local_prefix_caching,
+    )
+
+
+def record_checks(local: HandshakeRecord, remote: HandshakeRecord) -> list[FieldCheck]:
+    """Every field of two records decode must agree on with prefill, in the
+    order they are checked."""
+    restart = "start both engines with the same model, dtype and cache settings"
+    return [
+        FieldCheck(
+            "KV cache group kinds",
+            [g.kind for g in local.groups],
+            [g.kind for g in remote.groups],
+            "prefill and decode must serve the same model architecture",
+        ),
+        FieldCheck(
+            "regions_mamba (which registered regions hold Mamba state)",
+            local.regions_mamba,
+            remote.regions_mamba,
+            "the engines lay out KV memory differently; " + restart,
+        ),
+        FieldCheck(
+            "kernel_block_tokens",
+            local.kernel_block_tokens,
+            remote.kernel_block_tokens,
+            "the attention kernels use different block sizes (attention backend or TP "
+            "shape); pick an attention backend and --block-size that give both engines "
+            "the same kernel block size",
+        ),
+        FieldCheck("kv_cache_layout", local.kv_cache_layout, remote.kv_cache_layout, restart),
+        FieldCheck("kv_cache_dtype", local.kv_cache_dtype, remote.kv_cache_dtype, restart),
+        FieldCheck(
+            "mamba_state_dtypes", local.mamba_state_dtypes, remote.mamba_state_dtypes, restart
+        ),
+        FieldCheck(
+            "mamba_conv_state_layout",
+            local.mamba_conv_state_layout,
+            remote.mamba_conv_state_layout,
+            "set VLLM_SSM_CONV_STATE_LAYOUT=DS on both engines",
+        ),
+        FieldCheck(
+            "mamba_cache_mode",
+            local.mamba_cache_mode,
+            remote.mamba_cache_mode,
+            "the engines keep different numbers of Mamba state blocks per request; "
+            "use the same --enable-prefix-caching / --mamba-cache-mode on both",
+        ),
+    ]
+
+
+def validate_remote(local: HandshakeRecord, remote: HandshakeRecord) -> None:
+    """vLLM 0.21 decode's check of prefill's record (``record_checks``, then
+    the pairing of both records' ratios and prefix caching)."""
+    refuse_mismatches(
+        record_checks(local, remote),
+        Pairing(
+            [GroupKind(g.kind) for g in local.groups],
+            attention_ratio(local),
+            attention_ratio(remote),
+            local_prefix_caching=local.prefix_caching,
+            remote_prefix_caching=remote.prefix_caching,
+        ),
     )
 
 
@@ -412,6 +486,38 @@ class AgentFacts:
     ssm_sizes: tuple[int, int] | None
 
 
+def agent_fact_checks(
+    local: AgentFacts, remote: AgentFacts, *, layout_conversion: bool = False
+) -> list[FieldCheck]:
+    """What decode on vLLM 0.33 must agree on with a prefill rank, from vLLM's
+    own agent metadata, in the order they are checked; ``remote.ssm_sizes``
+    must equal ``local.ssm_sizes``, which the caller sets to what this
+    model's state is at prefill's TP size. ``layout_conversion``: vLLM
+    converts the remote layout on receive (its ``enable_permute_local_kv``),
+    so a different layout counts as the same."""
+    return [
+        FieldCheck(
+            "kv_cache_layout",
+            local.kv_cache_layout,
+            local.kv_cache_layout if layout_conversion else remote.kv_cache_layout,
+            "set the same VLLM_KV_CACHE_LAYOUT on both engines (NIXL asks for LBHNC)",
+        ),
+        FieldCheck(
+            "kv_caches_base_addr (registered KV regions)",
+            local.num_regions,
+            remote.num_regions,
+            "the engines hold different numbers of KV cache layers; serve the same model on both",
+        ),
+        FieldCheck(
+            "ssm_sizes (conv and SSM state bytes per block at prefill's TP size)",
+            local.ssm_sizes,
+            remote.ssm_sizes,
+            "prefill's Mamba state has another shape or dtype than this model has "
+            "there; serve the same model with the same --mamba-ssm-cache-dtype on both",
+        ),
+    ]
+
+
 def refuse_before_loading(
     local: AgentFacts,
     remote: AgentFacts,
@@ -420,38 +526,15 @@ def refuse_before_loading(
     local_prefix_caching: bool,
     layout_conversion: bool = False,
 ) -> None:
-    """Raise a HandshakeError naming the first field decode cannot read
-    prefill with; ``remote.ssm_sizes`` must equal ``local.ssm_sizes``, which
-    the caller sets to what this model's state is at prefill's TP size.
-    ``layout_conversion``: vLLM converts the remote layout on receive (its
-    ``enable_permute_local_kv``), so a different layout is accepted."""
-    for field, local_value, remote_value, remedy in (
-        (
-            "kv_cache_layout",
-            local.kv_cache_layout,
-            # a layout vLLM converts on receive counts as the same
-            local.kv_cache_layout if layout_conversion else remote.kv_cache_layout,
-            "set the same VLLM_KV_CACHE_LAYOUT on both engines (NIXL asks for LBHNC)",
+    """vLLM 0.33 decode's check of a prefill rank before its agent is loaded
+    (``agent_fact_checks``, then the pairing of the two ratios under decode's
+    prefix caching; prefill's is not in vLLM's metadata)."""
+    refuse_mismatches(
+        agent_fact_checks(local, remote, layout_conversion=layout_conversion),
+        Pairing(
+            group_kinds,
+            local.physical_per_logical,
+            remote.physical_per_logical,
+            local_prefix_caching=local_prefix_caching,
         ),
-        (
-            "kv_caches_base_addr (registered KV regions)",
-            local.num_regions,
-            remote.num_regions,
-            "the engines hold different numbers of KV cache layers; serve the same model on both",
-        ),
-        (
-            "ssm_sizes (conv and SSM state bytes per block at prefill's TP size)",
-            local.ssm_sizes,
-            remote.ssm_sizes,
-            "prefill's Mamba state has another shape or dtype than this model has "
-            "there; serve the same model with the same --mamba-ssm-cache-dtype on both",
-        ),
-    ):
-        if local_value != remote_value:
-            raise HandshakeError(field, local_value, remote_value, remedy)
-    check_alignable(
-        group_kinds,
-        local.physical_per_logical,
-        remote.physical_per_logical,
-        local_prefix_caching=local_prefix_caching,
     )

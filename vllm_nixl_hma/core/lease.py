@@ -20,13 +20,25 @@ posted (``local_deadline``), and refuses as above.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from vllm_nixl_hma.core.blocks import has_local_blocks
+
 __all__ = [
     "DEFAULT_MARGIN_S",
     "EXTENSION_PARAM",
     "PARAM",
+    "READ_FINISHED_LATE",
+    "READ_REFUSED",
+    "carried_by_request",
     "expired",
     "lease_deadline",
     "local_deadline",
+    "configured_margin_s",
+    "refuse_read",
+    "missing_attribute_warning",
+    "untrusted_read",
 ]
 
 #: key in kv_transfer_params
@@ -73,3 +85,63 @@ def local_deadline(
     if last_heartbeat_local_s is not None and extension_s is not None:
         deadline = max(deadline, last_heartbeat_local_s + extension_s)
     return deadline
+
+
+#: logged (with the request id) when a read is refused at its start
+READ_REFUSED = (
+    "NixlHMAConnector: the prefill lease of request %s ended; its blocks may "
+    "hold another request's KV, so they are not read"
+)
+#: logged (with the request id) when a finished read is not trusted
+READ_FINISHED_LATE = (
+    "NixlHMAConnector: the read of request %s finished after its prefill "
+    "lease ended; its KV is not trusted"
+)
+
+
+def configured_margin_s(extra_config: Mapping[str, Any] | None) -> float:
+    """``lease_margin_s`` from ``kv_connector_extra_config``, or the default."""
+    return float((extra_config or {}).get("lease_margin_s", DEFAULT_MARGIN_S))
+
+
+def refuse_read(
+    deadline_s: float | None,
+    now_s: float,
+    margin_s: float,
+    local_block_ids_by_group: Sequence[Sequence[int]],
+) -> bool:
+    """Decode's rule at a read's start, on both releases: refuse a request
+    with blocks to read whose lease ends within ``margin_s`` of now. A
+    request with no local block reads nothing (it only notifies prefill) and
+    is never refused; one without a deadline never expires."""
+    return has_local_blocks(local_block_ids_by_group) and expired(deadline_s, now_s, margin_s)
+
+
+def untrusted_read(deadline_s: float | None, finished_s: float, margin_s: float) -> bool:
+    """Decode's rule at a read's end: a read that finished within
+    ``margin_s`` of the lease's end may have read reused blocks."""
+    return expired(deadline_s, finished_s, margin_s)
+
+
+def carried_by_request(
+    entries: Iterable[tuple[str | None, Mapping[str, Any] | None]], param: str
+) -> dict[str, Any]:
+    """What our scheduler side hands its workers with vLLM's connector
+    metadata: ``{key: params[param]}`` for each ``(key, kv_transfer_params)``
+    whose params carry ``param`` (vLLM's per-request metadata keeps vLLM's
+    own fields only). Entries without a key are skipped."""
+    carried = {}
+    for key, params in entries:
+        if key is not None and params and param in params:
+            carried[key] = params[param]
+    return carried
+
+
+def missing_attribute_warning(attribute: str, consequence: str) -> str:
+    """The warning a worker logs once when connector metadata with requests to
+    receive lacks the attribute our scheduler side always sets."""
+    return (
+        f"NixlHMAConnector: the connector metadata carries no {attribute} (not built by "
+        "NixlHMAConnector's scheduler side, or this vLLM drops attributes on its way to the "
+        f"worker); {consequence}"
+    )

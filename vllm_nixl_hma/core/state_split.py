@@ -9,6 +9,7 @@ and C right. Both releases' workers build one per rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,9 @@ __all__ = [
     "UPSTREAM_CONV_PARTS",
     "StateSplit",
     "derive_state_split",
+    "RemoteStateReads",
     "remote_page_reads",
+    "remote_state_reads",
     "state_sizes",
 ]
 
@@ -160,3 +163,71 @@ def remote_page_reads(
     reads = [(read.remote_offset_bytes, read.size_bytes) for read in conv_reads]
     reads.append((remote_conv_bytes + ssm_reads[0].remote_offset_bytes, ssm_reads[0].size_bytes))
     return reads
+
+
+@dataclass(frozen=True)
+class RemoteStateReads:
+    """Where decode reads one prefill rank's Mamba state, in bytes, release
+    by release only formatted differently: for each Mamba region of the
+    prefill rank (its base address and the stride of one logical block's
+    page), the (offset, size) reads inside a page, for each of
+    ``num_logical_blocks`` pages."""
+
+    reads: tuple[tuple[int, int], ...]
+    #: (base address, bytes from one logical block's page to the next) per region
+    regions: tuple[tuple[int, int], ...]
+    num_logical_blocks: int
+
+    def per_block(self, device_id: int) -> list[tuple[int, int, int]]:
+        """vLLM 0.21's descriptor list: per region, each read for every
+        block, as (address, size, device)."""
+        return [
+            (base_addr + block * page_stride + offset, size, device_id)
+            for base_addr, page_stride in self.regions
+            for offset, size in self.reads
+            for block in range(self.num_logical_blocks)
+        ]
+
+    def strided(self, device_id: int) -> list[tuple[int, int, int, int, int]]:
+        """vLLM 0.33's strided list: per region, each read as (first address,
+        size, device, stride, count)."""
+        return [
+            (base_addr + offset, size, device_id, page_stride, self.num_logical_blocks)
+            for base_addr, page_stride in self.regions
+            for offset, size in self.reads
+        ]
+
+
+def remote_state_reads(
+    split: StateSplit,
+    *,
+    remote_tp_size: int,
+    remote_rank: int,
+    local_tp_size: int,
+    local_rank: int,
+    remote_conv_bytes_reported: int,
+    remote_num_kernel_blocks: int,
+    remote_physical_per_logical: int,
+    region_bases_and_kernel_strides: Sequence[tuple[int, int]],
+) -> RemoteStateReads:
+    """The reads of decode rank ``local_rank`` from prefill rank ``remote_rank``
+    (``remote_page_reads``), placed in that rank's memory: a Mamba page
+    spans ``remote_physical_per_logical`` kernel blocks of its region, so
+    prefill has ``remote_num_kernel_blocks // remote_physical_per_logical``
+    pages, each a kernel stride times the ratio from the next."""
+    reads = remote_page_reads(
+        split,
+        remote_tp_size,
+        remote_rank,
+        local_tp_size,
+        local_rank,
+        remote_conv_bytes_reported,
+    )
+    return RemoteStateReads(
+        reads=tuple(reads),
+        regions=tuple(
+            (int(base), int(kernel_stride) * remote_physical_per_logical)
+            for base, kernel_stride in region_bases_and_kernel_strides
+        ),
+        num_logical_blocks=remote_num_kernel_blocks // remote_physical_per_logical,
+    )

@@ -122,12 +122,12 @@ class NixlHMAConnector(NixlConnector):
         ends of the requests to receive (an attribute of the metadata object,
         read by ``NixlHMAConnectorWorker.start_load_kv``)."""
         scheduler = self.connector_scheduler
-        deadlines = {}
-        if scheduler is not None:
-            for request_id, (request, _) in scheduler._reqs_need_recv.items():
-                params = request.kv_transfer_params or {}
-                if lease.PARAM in params:
-                    deadlines[request_id] = params[lease.PARAM]
+        # read before upstream's build_connector_meta, which empties the dict
+        entries = [] if scheduler is None else scheduler._reqs_need_recv.items()
+        deadlines = lease.carried_by_request(
+            ((request_id, request.kv_transfer_params) for request_id, (request, _) in entries),
+            lease.PARAM,
+        )
         metadata = super().build_connector_meta(scheduler_output)
         setattr(metadata, LEASE_DEADLINES_ATTR, deadlines)
         return metadata

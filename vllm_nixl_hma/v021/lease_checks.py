@@ -15,10 +15,7 @@ require_adapter("v021", "vllm_nixl_hma.v021.lease_checks")
 
 from vllm.logger import init_logger  # noqa: E402
 
-from vllm_nixl_hma.core import (  # noqa: E402
-    blocks,
-    lease,
-)
+from vllm_nixl_hma.core import lease  # noqa: E402
 
 __all__ = ["LEASE_DEADLINES_ATTR", "LeaseChecks"]
 
@@ -37,9 +34,7 @@ class LeaseChecks:
 
     @functools.cached_property
     def _lease_margin_s(self) -> float:
-        return float(
-            self.kv_transfer_config.get_from_extra_config("lease_margin_s", lease.DEFAULT_MARGIN_S)
-        )
+        return lease.configured_margin_s(self.kv_transfer_config.kv_connector_extra_config)
 
     @functools.cached_property
     def _lease_deadlines(self) -> dict[str, float]:
@@ -60,14 +55,11 @@ class LeaseChecks:
         if deadlines is not None:
             self._lease_deadlines.update(deadlines)
         elif getattr(metadata, "reqs_to_recv", None):
-            # Our scheduler side always attaches the attribute (empty without a
-            # lease): its absence means metadata from another connector, or a
-            # vLLM that no longer carries our attribute to the worker.
+            # Our scheduler side always attaches the attribute (empty without a lease)
             logger.warning_once(
-                "NixlHMAConnector: the connector metadata carries no %s (not built by "
-                "NixlHMAConnector's scheduler side, or this vLLM drops attributes on its way "
-                "to the worker); reads are not checked against prefill's lease",
-                LEASE_DEADLINES_ATTR,
+                lease.missing_attribute_warning(
+                    LEASE_DEADLINES_ATTR, "reads are not checked against prefill's lease"
+                )
             )
         config = getattr(self, "kv_cache_config", None)  # absent in workers built bare
         num_groups = max(len(getattr(config, "kv_cache_groups", ())), 1)
@@ -82,16 +74,10 @@ class LeaseChecks:
         request with no local block reads nothing and only notifies prefill:
         upstream's, lease or not."""
         deadline = self._lease_deadlines.get(req_id)
-        if (
-            deadline is not None
-            and lease.expired(deadline, time.time(), self._lease_margin_s)
-            and blocks.has_local_blocks(meta.local_block_ids)
+        if deadline is not None and lease.refuse_read(
+            deadline, time.time(), self._lease_margin_s, meta.local_block_ids
         ):
-            logger.error(
-                "NixlHMAConnector: the prefill lease of request %s ended; its blocks may "
-                "hold another request's KV, so they are not read",
-                req_id,
-            )
+            logger.error(lease.READ_REFUSED, req_id)
             self._failed_recv_reqs.add(req_id)
             return
         super()._read_blocks_for_req(req_id, meta)
@@ -104,11 +90,7 @@ class LeaseChecks:
         now = time.time()
         for request_id in done_request_ids:
             deadline = self._lease_deadlines.pop(request_id, None)
-            if deadline is not None and lease.expired(deadline, now, self._lease_margin_s):
-                logger.error(
-                    "NixlHMAConnector: the read of request %s finished after its prefill "
-                    "lease ended; its KV is not trusted",
-                    request_id,
-                )
+            if deadline is not None and lease.untrusted_read(deadline, now, self._lease_margin_s):
+                logger.error(lease.READ_FINISHED_LATE, request_id)
                 self._report_invalid_blocks_of(request_id)
         return done_request_ids

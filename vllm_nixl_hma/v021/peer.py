@@ -41,9 +41,8 @@ from vllm_nixl_hma.core import (  # noqa: E402
     side_channel,
     upstream_contract,
 )
-from vllm_nixl_hma.core.state_split import (  # noqa: E402
-    remote_page_reads,
-)
+from vllm_nixl_hma.core.remote_rank import RemoteRankBeingAdded  # noqa: E402
+from vllm_nixl_hma.core.state_split import remote_state_reads  # noqa: E402
 
 __all__ = ["NixlHMAHandshakePayload", "PeerChecks", "SIDE_CHANNEL_TIMEOUT_S"]
 
@@ -63,7 +62,7 @@ class NixlHMAHandshakePayload(NixlHandshakePayload):
     vllm_nixl_hma: bytes = b""
 
 
-class PeerChecks:
+class PeerChecks(RemoteRankBeingAdded):
     """Handshake and peer validation of ``NixlHMAConnectorWorker`` (a mixin
     before vLLM's ``NixlConnectorWorker`` in its bases)."""
 
@@ -98,8 +97,7 @@ class PeerChecks:
         """vLLM 0.21.0 ``NixlConnectorWorker.add_remote_agent``, unchanged but
         for recording ``remote_tp_rank`` for ``_build_mamba_remote``, which
         upstream calls without it."""
-        self._remote_tp_rank_being_added = remote_tp_rank
-        try:
+        with self._adding_remote_rank(remote_tp_rank):
             remote_agent_name = super().add_remote_agent(
                 nixl_agent_meta, remote_tp_rank, remote_tp_size
             )
@@ -107,8 +105,6 @@ class PeerChecks:
                 nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_agent_name
             )
             return remote_agent_name
-        finally:
-            self._remote_tp_rank_being_added = None
 
     def _build_mamba_remote(
         self,
@@ -128,26 +124,20 @@ class PeerChecks:
         and the remote rank being added (``add_remote_agent``). Remove when:
         upstream reads GatedDeltaNet and replicated groups right.
         """
-        reads = remote_page_reads(
+        return remote_state_reads(
             self._state_split,
-            transfer_info.remote_tp_size,
-            self._remote_tp_rank_being_added,
-            self.world_size,
-            self.tp_rank,
-            nixl_agent_meta.ssm_sizes[0],
-        )
-        remote_physical_per_logical = transfer_info.remote_physical_blocks_per_logical
-        num_blocks = nixl_agent_meta.num_blocks // remote_physical_per_logical
-        device_id = nixl_agent_meta.device_id
-        descs: list[tuple[int, int, int]] = []
-        for layer, base_addr in enumerate(nixl_agent_meta.kv_caches_base_addr):
-            page_stride = nixl_agent_meta.block_lens[layer] * remote_physical_per_logical
-            for offset_bytes, size_bytes in reads:
-                descs.extend(
-                    (base_addr + block * page_stride + offset_bytes, size_bytes, device_id)
-                    for block in range(num_blocks)
-                )
-        return descs
+            remote_tp_size=transfer_info.remote_tp_size,
+            remote_rank=self._remote_rank_being_added(),
+            local_tp_size=self.world_size,
+            local_rank=self.tp_rank,
+            remote_conv_bytes_reported=nixl_agent_meta.ssm_sizes[0],
+            remote_num_kernel_blocks=nixl_agent_meta.num_blocks,
+            remote_physical_per_logical=transfer_info.remote_physical_blocks_per_logical,
+            # every registered region holds Mamba state in upstream's list here
+            region_bases_and_kernel_strides=list(
+                zip(nixl_agent_meta.kv_caches_base_addr, nixl_agent_meta.block_lens, strict=True)
+            ),
+        ).per_block(nixl_agent_meta.device_id)
 
     def register_kv_caches(self, kv_caches):
         """vLLM 0.21.0 ``NixlConnectorWorker.register_kv_caches``, then our record.
@@ -247,7 +237,6 @@ class PeerChecks:
         import msgspec
         import zmq
         from vllm.utils.network_utils import make_zmq_path
-
         if not self.use_host_buffer:
             # the background thread needs a device context (see upstream)
             upstream_worker_module.current_platform.set_device(self.device_id)

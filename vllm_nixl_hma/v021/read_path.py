@@ -100,16 +100,12 @@ class ReadPath:
         leading blocks pair and the trailing rounding surplus is dropped.
         Raises ``BlockAlignmentError``.
         """
-        local_kernel_ids_by_group, remote_kernel_ids_by_group = blocks.align_kernel_ids_by_group(
+        return blocks.align_kernel_id_lists(
             local_block_ids,
             remote_block_ids,
             self._group_kinds,
             local_physical_per_logical=self._physical_blocks_per_logical_kv_block,
             remote_physical_per_logical=remote_physical_per_logical,
-        )
-        return (
-            [ids.tolist() for ids in local_kernel_ids_by_group],
-            [ids.tolist() for ids in remote_kernel_ids_by_group],
         )
 
     def _read_blocks(

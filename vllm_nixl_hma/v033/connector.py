@@ -27,10 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  
 )
 
 from vllm_nixl_hma.core import lease, upstream_contract  # noqa: E402
-from vllm_nixl_hma.v033.worker import (  # noqa: E402
-    LEASE_EXTENSIONS_ATTR,
-    NixlHMAConnectorWorker,
-)
+from vllm_nixl_hma.v033.lease_checks import LEASE_EXTENSIONS_ATTR  # noqa: E402
+from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -120,12 +118,14 @@ class NixlHMAConnector(NixlPullConnector):
         ``start_load_kv``): upstream's ``ReqMeta`` keeps vLLM's fields of
         ``kv_transfer_params`` only."""
         scheduler = self.connector_scheduler
-        extensions = {}
-        if scheduler is not None:
-            for entry in scheduler._reqs_need_recv.values():
-                params = entry[0].kv_transfer_params or {}
-                if lease.EXTENSION_PARAM in params and "remote_request_id" in params:
-                    extensions[params["remote_request_id"]] = params[lease.EXTENSION_PARAM]
+        # read before upstream's build_connector_meta, which empties the dict;
+        # keyed by prefill's request id, which upstream's ReqMeta carries
+        entries = [] if scheduler is None else scheduler._reqs_need_recv.values()
+        params_of_each = [entry[0].kv_transfer_params or {} for entry in entries]
+        extensions = lease.carried_by_request(
+            ((params.get("remote_request_id"), params) for params in params_of_each),
+            lease.EXTENSION_PARAM,
+        )
         metadata = super().build_connector_meta(scheduler_output)
         setattr(metadata, LEASE_EXTENSIONS_ATTR, extensions)
         return metadata

@@ -1,0 +1,148 @@
+"""The 0.33.0 worker's dealings with a prefill rank: the checks before its
+agent is loaded, and where decode reads its Mamba state (``PeerChecks``, a
+part of ``NixlHMAConnectorWorker``; the ledger in ``worker.py`` says why each
+method departs from upstream).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_nixl_hma._compat import require_adapter
+
+require_adapter("v033", "vllm_nixl_hma.v033.peer")
+
+from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
+    EngineTransferInfo,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
+    NixlAgentMetadata,
+)
+
+from vllm_nixl_hma.core import handshake  # noqa: E402
+from vllm_nixl_hma.core.errors import UnsupportedModelError  # noqa: E402
+from vllm_nixl_hma.core.remote_rank import RemoteRankBeingAdded  # noqa: E402
+from vllm_nixl_hma.core.state_split import (  # noqa: E402
+    StateSplit,
+    remote_state_reads,
+    state_sizes,
+)
+
+__all__ = ["PeerChecks"]
+
+
+class PeerChecks(RemoteRankBeingAdded):
+    """Peer checks and Mamba reads of ``NixlHMAConnectorWorker`` (a mixin
+    before vLLM's ``NixlPullConnectorWorker`` in its bases)."""
+
+    #: this rank's state split (``worker.__init__``); None: upstream's offsets
+    _split: StateSplit | None = None
+
+    def add_remote_agent(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+        remote_dcp_size: int = 1,
+    ) -> str:
+        """vLLM 0.33.0 ``add_remote_agent``, after our checks, remembering the remote rank.
+
+        Why: upstream registers the remote engine and loads its agent before
+        ``_validate_remote_agent_handshake`` (asserts) runs, never compares
+        the Mamba state sizes, and refuses neither sliding-window groups nor
+        prefix caching of a model without Mamba state across unequal ratios;
+        and which bytes of a prefill page this decode rank reads depends on
+        the prefill rank when SSM groups are replicated, which upstream does
+        not pass to ``_build_mamba_remote``. What changes: first
+        ``_refuse_before_loading`` (a ``HandshakeError`` fails the requests
+        waiting on this handshake, as any handshake failure does upstream),
+        then upstream's method inside ``_adding_remote_rank``.
+        Remove when: upstream validates before loading and passes the rank.
+        """
+        if (0, remote_tp_rank) not in self._remote_agents.get(nixl_agent_meta.engine_id, {}):
+            self._refuse_before_loading(nixl_agent_meta, remote_tp_rank, remote_tp_size)
+        with self._adding_remote_rank(remote_tp_rank):
+            return super().add_remote_agent(
+                nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
+            )
+
+    def _refuse_before_loading(
+        self, nixl_agent_meta: NixlAgentMetadata, remote_tp_rank: int, remote_tp_size: int
+    ) -> None:
+        local_layout = (
+            self.host_buffer_kv_cache_layout if self.use_host_buffer else self.kv_cache_layout
+        )
+        # vLLM converts exactly this pair on receive when asked (not under HMA)
+        layout_conversion = self.use_mla or (
+            bool(self.kv_transfer_config.enable_permute_local_kv)
+            and nixl_agent_meta.kv_cache_layout == "LBHNC"
+            and local_layout == "LBNHC"
+            and not self._is_hma_required
+        )
+        remote_regions = len(nixl_agent_meta.kv_caches_base_addr)
+        local_regions = len(self.block_len_per_layer) if self.pp_size == 1 else remote_regions
+        expected_ssm_sizes = None
+        remote_ssm_sizes = None
+        if self._split is not None:
+            expected_ssm_sizes = state_sizes(self._split, remote_tp_size, remote_tp_rank)
+            remote_ssm_sizes = tuple(int(size) for size in nixl_agent_meta.ssm_sizes)
+        handshake.refuse_before_loading(
+            handshake.AgentFacts(
+                kv_cache_layout=str(local_layout),
+                num_regions=local_regions,
+                physical_per_logical=self._physical_blocks_per_logical_kv_block,
+                ssm_sizes=expected_ssm_sizes,
+            ),
+            handshake.AgentFacts(
+                kv_cache_layout=str(nixl_agent_meta.kv_cache_layout),
+                num_regions=remote_regions,
+                physical_per_logical=nixl_agent_meta.physical_blocks_per_logical_kv_block,
+                ssm_sizes=remote_ssm_sizes,
+            ),
+            self._group_kinds,
+            local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
+            layout_conversion=layout_conversion,
+        )
+
+    def _build_mamba_remote(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        tp_ratio: int,
+        transfer_info: EngineTransferInfo,
+    ) -> np.ndarray:
+        """vLLM 0.33.0 ``_build_mamba_remote``, with our offsets.
+
+        Why: upstream's ``remote_conv_offsets`` place B and C as if the SSM
+        groups were sharded across the larger TP; with fewer groups
+        (granite-4.0-h has one, replicated on every rank) decode's B and C
+        are read from the wrong bytes at unequal TP. What changes: the same
+        N x 5 strided list (per Mamba region: x, B, C, then the SSM state),
+        with offsets and sizes from ``mamba_conv.conv_read_plan`` and
+        ``ssm_read_plan`` for this decode rank and the prefill rank being
+        added; prefill's conv-state size is checked against the model's
+        first. Remove when: upstream reads replicated groups right.
+        """
+        if self._split is None:
+            return super()._build_mamba_remote(nixl_agent_meta, tp_ratio, transfer_info)
+        if self._ple_region_index is not None:
+            raise UnsupportedModelError("per-layer embedding pages beside Mamba state")
+        region_indices = self._ssm_region_indices or range(len(nixl_agent_meta.kv_caches_base_addr))
+        return self._pack_strided_descs(
+            remote_state_reads(
+                self._split,
+                remote_tp_size=transfer_info.remote_tp_size,
+                remote_rank=self._remote_rank_being_added(),
+                local_tp_size=self.world_size,
+                local_rank=self.tp_rank,
+                remote_conv_bytes_reported=nixl_agent_meta.ssm_sizes[0],
+                remote_num_kernel_blocks=nixl_agent_meta.num_blocks,
+                remote_physical_per_logical=transfer_info.remote_physical_blocks_per_logical,
+                region_bases_and_kernel_strides=[
+                    (
+                        nixl_agent_meta.kv_caches_base_addr[region],
+                        nixl_agent_meta.block_strides[region],
+                    )
+                    for region in region_indices
+                ],
+            ).strided(nixl_agent_meta.device_id)
+        )

@@ -1,0 +1,110 @@
+"""The 0.33.0 worker's read path: block lists paired across unequal
+kernel-per-logical ratios, and lists that cannot be paired failing their
+request alone (``ReadPath``, a part of ``NixlHMAConnectorWorker``; the ledger
+in ``worker.py`` says why each method departs from upstream).
+"""
+
+from __future__ import annotations
+
+from vllm_nixl_hma._compat import require_adapter
+
+require_adapter("v033", "vllm_nixl_hma.v033.read_path")
+
+from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # noqa: E402
+    ReadSpec,
+)
+
+from vllm_nixl_hma.core import blocks  # noqa: E402
+from vllm_nixl_hma.core.errors import BlockAlignmentError  # noqa: E402
+
+__all__ = ["ReadPath"]
+
+
+class ReadPath:
+    """The read path of ``NixlHMAConnectorWorker`` (a mixin before vLLM's
+    ``NixlPullConnectorWorker`` in its bases: ``super()`` is upstream's)."""
+
+    def _apply_prefix_caching(
+        self,
+        decode_block_ids: BlockIds,
+        prefill_block_ids: BlockIds,
+        decode_physical_per_logical: int,
+        prefill_physical_per_logical: int,
+    ) -> tuple[BlockIds, BlockIds]:
+        """vLLM 0.33.0 ``_apply_prefix_caching``, for models without Mamba state
+        read across unequal ratios.
+
+        Why: upstream trims prefill's kernel list to decode's length from the
+        tail; across unequal ratios the lists differ by rounding surplus at
+        the END, so every block pairs with the wrong one. What changes: for a
+        model without Mamba state and unequal ratios, leading blocks pair and
+        the surplus is dropped (``blocks.align_kernel_ids_by_group``; prefix
+        caching and sliding-window groups are refused at handshake in that
+        setup); every other case is upstream's. A ``BlockAlignmentError``
+        fails the request (``_read_blocks``). Remove when: upstream pairs
+        unequal ratios of dense models by position.
+        """
+        if self._has_mamba or decode_physical_per_logical == prefill_physical_per_logical:
+            return super()._apply_prefix_caching(
+                decode_block_ids=decode_block_ids,
+                prefill_block_ids=prefill_block_ids,
+                decode_physical_per_logical=decode_physical_per_logical,
+                prefill_physical_per_logical=prefill_physical_per_logical,
+            )
+        return blocks.align_kernel_id_lists(
+            decode_block_ids,
+            prefill_block_ids,
+            self._group_kinds,
+            local_physical_per_logical=decode_physical_per_logical,
+            remote_physical_per_logical=prefill_physical_per_logical,
+        )
+
+    def _read_blocks(
+        self,
+        read_spec: ReadSpec,
+        dst_engine_id: str,
+        request_id: str,
+        remote_request_id: str,
+        local_xfer_side_handle: int,
+        local_dram_handle: int | None,
+        remote_xfer_side_handle: int,
+        expected_consumers: int,
+        awaiting_kvs: bool,
+    ) -> bool:
+        """vLLM 0.33.0 ``NixlPullConnectorWorker._read_blocks``, failing closed.
+
+        Why: upstream checks that the block lists pair (its own asserts, and
+        ``_apply_prefix_caching``'s) before its ``try``, so lists that do not
+        pair raise out of ``start_load_kv`` and take the engine down with
+        them. What changes: a ``BlockAlignmentError`` or an assertion raised
+        before a transfer was posted fails this request alone, as upstream
+        fails a transfer it could not set up (``_handle_failed_transfer``:
+        the request is reported in ``failed_recving``); nothing is read for
+        it in this call (reads already posted for it from other prefill ranks
+        finish first, as upstream lets them). Remove when: upstream's pairing
+        checks fail the request.
+        """
+        try:
+            return super()._read_blocks(
+                read_spec,
+                dst_engine_id,
+                request_id,
+                remote_request_id,
+                local_xfer_side_handle,
+                local_dram_handle,
+                remote_xfer_side_handle,
+                expected_consumers,
+                awaiting_kvs,
+            )
+        except (BlockAlignmentError, AssertionError) as e:
+            self._log_failure(
+                failure_type="unpairable_block_lists",
+                req_id=request_id,
+                msg="block lists of decode and prefill cannot be paired; nothing read",
+                error=e,
+                dst_engine_id=dst_engine_id,
+                remote_rank=read_spec.remote_rank,
+            )
+            self._handle_failed_transfer(request_id, None, self._recv_failures)
+            return False

@@ -48,6 +48,8 @@ def fault_prompt_tokens(name: str) -> int:
 
 
 KERNEL_BLOCK_TOKENS = 16
+#: how long ours waits for each side-channel answer in e2e (``side_channel_timeout_s``)
+E2E_SIDE_CHANNEL_TIMEOUT_S = 15.0
 #: the chat prompt's length in tokens (the tiny models' tokenizer has a word per token)
 CHAT_PROMPT_TOKENS = 300
 #: the embedded models ship no chat template: the messages' text, as it is
@@ -233,6 +235,22 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
         )
         for role, tp in (("prefill", options.p_tp), ("decode", options.d_tp))
     ]
+    if options.connector == "NixlHMAConnector":
+        # Three CPU engines share this host's cores: a prefill engine busy with
+        # its first steps has left its side channel unanswered for more than
+        # 5 s (upstream's fixed wait) on a first handshake, and decode then
+        # fails the request, correctly but for the host's sake. Ours takes a
+        # longer wait from kv_connector_extra_config; stock cannot.
+        specs = [
+            dataclasses.replace(
+                spec,
+                extra_config={
+                    **spec.extra_config,
+                    "side_channel_timeout_s": E2E_SIDE_CHANNEL_TIMEOUT_S,
+                },
+            )
+            for spec in specs
+        ]
     results: list[PromptResult] = []
     progress(
         f"starting prefill (TP {options.p_tp}) and decode (TP {options.d_tp}) with "

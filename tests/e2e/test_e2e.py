@@ -9,9 +9,11 @@ even start on the GatedDeltaNet hybrid.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from vllm_nixl_hma.e2e.faults import FAULTS, POLICIES
+from vllm_nixl_hma.e2e.faults import ALL_FAULTS, FAULTS, POLICIES
 from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
 
 pytestmark = pytest.mark.e2e
@@ -34,12 +36,12 @@ def assert_every_prompt_matches(report, log):
         assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
 
 
-def assert_every_fault_fails_closed(report, log):
+def assert_every_fault_fails_closed(report, log, faults=FAULTS):
     """Every fault under both policies: an error under ``fail``, the
     reference's tokens under ``recompute``, never HTTP 200 with other tokens;
     then the same decode engine answers the next request right."""
     assert {(f["name"], f["policy"]) for f in report["faults"]} == {
-        (name, policy) for name in FAULTS for policy in POLICIES
+        (name, policy) for name in faults for policy in POLICIES
     }, log
     for fault in report["faults"]:
         assert fault["outcome"] != "wrong tokens", (fault, log)
@@ -58,18 +60,49 @@ def assert_moe_path(report, engines, amx: bool):
         assert seen.get(engine) == [cpu_moe.expected_path(amx)], (engine, report["cpu"])
 
 
-def test_ours_heterogeneous_hybrid_matches_one_engine_and_fails_closed(tmp_path):
-    """Prefill TP 2 -> decode TP 1, GatedDeltaNet + attention, unequal ratios;
-    then every fault under both failure policies: a handshake that cannot
+def test_ours_heterogeneous_hybrid_across_hosts_matches_one_engine_and_fails_closed(tmp_path):
+    """Prefill TP 2 -> decode TP 1, GatedDeltaNet + attention, unequal ratios,
+    every engine and the router on a host of its own (network namespaces on
+    a 10 Gbit/s switch, the KV over TCP as between hosts without RDMA); then
+    every fault under both failure policies: a handshake that cannot
     complete, a lease that ran out (once took the fail-policy decode engine
-    down), block lists that cannot be paired, prefill killed before decode
-    reads. Its MoE layer runs this host's own path."""
-    report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=FAULTS)
+    down), block lists that cannot be paired, the prefill host's link
+    unplugged (before ``read_timeout_s`` the fail-policy request hung for
+    good), prefill killed before decode reads. Its MoE layer runs this
+    host's own path."""
+    report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=ALL_FAULTS, separate_hosts=True)
     assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
     assert_every_prompt_matches(report, log)
-    assert_every_fault_fails_closed(report, log)
+    assert_kv_crossed_the_link(report, log)
+    assert_every_fault_fails_closed(report, log, ALL_FAULTS)
     assert_moe_path(report, ("reference", "prefill", "decode"), report["cpu"]["host_amx"])
     assert report["ok"]
+    assert not [name for name in namespaces() if name.startswith(f"vnh{os.getpid()}-")]
+
+
+def namespaces() -> list[str]:
+    import json
+    import subprocess
+
+    listed = subprocess.run(["ip", "-j", "netns", "list"], capture_output=True, text=True)
+    return [entry["name"] for entry in json.loads(listed.stdout or "[]")]
+
+
+def assert_kv_crossed_the_link(report, log):
+    """The hosts' addresses exist only in their namespaces, and what decode's
+    NIXL read (vLLM's own byte count) left prefill's interface and entered
+    decode's: the KV crossed the link, not shared memory."""
+    import subprocess
+
+    root_addresses = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True).stdout
+    assert set(report["hosts"]) == {"router", "ref", "prefill", "decode", "decoderc"}, log
+    for host in report["hosts"].values():
+        assert f'"{host["address"]}"' not in root_addresses, (host, log)
+    link = report["link"]
+    kv = link["kv_bytes_read"]
+    assert kv and kv > 100_000, log  # every prompt's attention KV and Mamba state
+    assert link["bytes_during_prompts"]["prefill"]["tx_bytes"] >= kv, log
+    assert link["bytes_during_prompts"]["decode"]["rx_bytes"] >= kv, log
 
 
 def test_stock_cannot_serve_the_hybrid(tmp_path):

@@ -37,3 +37,22 @@ def test_table_lists_failures_and_counts():
     assert "FAILED boundary P_TP=2 D_TP=1 hybrid: 7 mismatched slots" in table
     assert "req 0 layer 1 kernel block 4: 7 wrong" in table
     assert lines[-1] == "1 passed, 1 failed"
+
+
+def test_e2e_across_hosts_without_the_rights_says_so_and_exits_5(mocker, tmp_path, capfd):
+    """Separate hosts need root (network namespaces): without it, one line
+    says so, nothing starts, exit 5."""
+    from vllm_nixl_hma.e2e import netns
+
+    mocker.patch.object(netns.os, "geteuid", return_value=1000)
+    started = mocker.patch("vllm_nixl_hma.e2e.servers.ServerSet.start")
+    assert main(["e2e", "--separate-hosts", "--model", str(tmp_path)]) == ExitCode.NOTHING_RAN
+    started.assert_not_called()
+    err = capfd.readouterr().err
+    assert "[e2e] failed: separate hosts need network namespaces, which only root" in err
+
+
+def test_e2e_refuses_a_link_rate_tc_cannot_read(tmp_path, capfd):
+    argv = ["e2e", "--separate-hosts", "--link-rate", "fast", "--model", str(tmp_path)]
+    assert main(argv) == ExitCode.USAGE_ERROR
+    assert "link rate 'fast'" in capfd.readouterr().err

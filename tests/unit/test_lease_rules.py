@@ -81,3 +81,34 @@ def test_only_requests_whose_params_carry_the_field_are_handed_to_the_workers():
 def test_the_missing_attribute_warning_names_the_attribute_and_the_consequence():
     text = lease.missing_attribute_warning("vllm_nixl_hma_x", "reads are not checked")
     assert "vllm_nixl_hma_x" in text and text.endswith("; reads are not checked")
+
+
+@pytest.mark.parametrize(
+    ("deadline", "in_flight", "timeout", "reason"),
+    [
+        (1000.0, 1.0, 600.0, None),  # young read, lease far off
+        (None, 1.0, 600.0, None),  # no lease (stock prefill), young read
+        (1000.0, 600.0, 600.0, "timeout"),  # in flight read_timeout_s: given up
+        (None, 599.9, 600.0, None),
+        (None, 10_000.0, None, None),  # no limit configured, no lease: waits
+        (104.9, 1.0, 600.0, "lease"),  # lease ends within the 5 s margin of now=100
+        (105.1, 1.0, None, None),
+        (104.9, None, None, "lease"),  # post time unknown: the lease still bounds it
+    ],
+)
+def test_a_read_in_flight_is_given_up_at_the_lease_margin_or_after_the_timeout(
+    deadline, in_flight, timeout, reason
+):
+    assert lease.abandon_read(deadline, 100.0, 5.0, in_flight, timeout) == reason
+
+
+def test_the_read_timeout_comes_from_the_extra_config_or_the_default():
+    assert lease.configured_read_timeout_s(None) == lease.DEFAULT_READ_TIMEOUT_S == 600.0
+    assert lease.configured_read_timeout_s({"read_timeout_s": 30}) == 30.0
+    assert lease.configured_read_timeout_s({"read_timeout_s": None}) is None
+
+
+@pytest.mark.parametrize("value", [0, -1, "30", True, [30]])
+def test_a_read_timeout_that_is_not_a_positive_number_names_the_key(value):
+    with pytest.raises(ValueError, match="read_timeout_s"):
+        lease.configured_read_timeout_s({"read_timeout_s": value})

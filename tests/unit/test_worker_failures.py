@@ -159,3 +159,41 @@ def test_a_notify_only_request_whose_handshake_fails_leaves_nothing_behind(mocke
     assert worker._failed_recv_reqs == {"req-notify"}
     assert not worker._kv_awaited("req-notify")
     assert worker._invalid_block_ids == set()
+
+
+def test_a_read_in_flight_past_read_timeout_is_failed_and_its_engine_released(mocker):
+    """A prefill host that vanished without a reset leaves reads in flight
+    (``PROC``) for as long as UCX keeps the connection; upstream waits for
+    ever (seen through real engines: ``e2e --separate-hosts``,
+    prefill-host-gone). Past ``read_timeout_s`` the read is failed as a
+    failed transfer is: handles released, every block reported invalid, the
+    engine forgotten; a younger read stays in flight."""
+    import time
+
+    worker = worker_for(mocker, [FULL, MAMBA], True)
+    worker.__dict__.update(_read_timeout_s=30.0, _lease_margin_s=5.0)
+    worker._recving_metadata["req-1"] = request_meta([[3, 4, 5], [11]])
+    worker._recving_metadata["req-2"] = request_meta([[6], [12]])
+    worker.nixl_wrapper.check_xfer_state.return_value = "PROC"
+    transfers = {"req-1": [71, 72], "req-2": [73]}
+    worker._reads_posted_at.update({"req-1": time.monotonic() - 31, "req-2": time.monotonic()})
+    assert worker._pop_done_transfers(transfers) == {"req-1"}
+    assert transfers == {"req-2": [73]}
+    released = [c.args[0] for c in worker.nixl_wrapper.release_xfer_handle.call_args_list]
+    assert released == [71, 72]
+    assert worker._invalid_block_ids == {3, 4, 5, 11}
+    assert worker.__dict__["_failed_engine_ids"] == {"prefill-engine"}
+
+
+def test_a_read_in_flight_when_the_lease_ends_is_failed_without_waiting_for_the_timeout(mocker):
+    import time
+
+    worker = worker_for(mocker, [FULL], False)
+    worker.__dict__.update(_read_timeout_s=None, _lease_margin_s=5.0)
+    worker._recving_metadata["req-1"] = request_meta([[3, 4]])
+    worker._lease_deadlines["req-1"] = time.time() + 4.0  # inside the margin
+    worker._reads_posted_at["req-1"] = time.monotonic()
+    worker.nixl_wrapper.check_xfer_state.return_value = "PROC"
+    transfers = {"req-1": [71]}
+    assert worker._pop_done_transfers(transfers) == {"req-1"}
+    assert transfers == {} and worker._invalid_block_ids == {3, 4}

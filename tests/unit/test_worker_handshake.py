@@ -82,3 +82,28 @@ def test_a_mismatched_hash_is_refused_with_vllms_message_before_any_agent(worker
     with pytest.raises(CompatibilityHashMismatch, match="compatibility hash mismatch"):
         worker._nixl_handshake("127.0.0.1", 5600, 1, ENGINE)
     NixlHMAConnectorWorker.add_remote_agent.assert_not_called()
+
+
+@pytest.mark.parametrize("advertised", ["0.0.0.0", "127.0.0.1", "::", "localhost"])
+def test_a_prefill_host_that_names_decodes_own_machine_is_refused_before_dialing(
+    worker, mocker, monkeypatch, advertised
+):
+    """Across hosts (decode's own side channel on a routable address), a
+    wildcard or loopback ``remote_host`` would make decode dial itself: refused
+    naming the setting and both values, with no socket opened."""
+    from vllm_nixl_hma.core.handshake import HandshakeError
+
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.201.7.3")
+    opened = serve(mocker, stock_payload())
+    with pytest.raises(HandshakeError, match="VLLM_NIXL_SIDE_CHANNEL_HOST") as refused:
+        worker._nixl_handshake(advertised, 5600, 1, ENGINE)
+    assert (refused.value.local, refused.value.remote) == ("10.201.7.3", advertised)
+    assert opened == []
+    NixlHMAConnectorWorker.add_remote_agent.assert_not_called()
+
+
+def test_on_one_host_a_loopback_prefill_host_is_dialed(worker, mocker, monkeypatch):
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    opened = serve(mocker, stock_payload())
+    assert worker._nixl_handshake("127.0.0.1", 5600, 1, ENGINE) == {0: "remote-agent"}
+    assert len(opened) == 1

@@ -72,3 +72,29 @@ def test_the_config_hook_leaves_a_033_hybrid_config_alone(hybrid_config):
     assert scheduler_cls is None or "vllm_nixl_hma" not in str(scheduler_cls)
     config_hook.apply(hybrid_config)  # a second pass changes nothing either
     assert hybrid_config.cache_config.enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("advertised", ["0.0.0.0", "127.0.0.1"])
+def test_a_prefill_host_that_names_decodes_own_machine_is_refused_before_dialing(
+    mocker, monkeypatch, advertised
+):
+    """On 0.33 as on 0.21: decode on a network refuses to dial a wildcard or
+    loopback side-channel host, naming the setting, before upstream's
+    handshake opens a socket."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    from vllm_nixl_hma.core.handshake import HandshakeError
+    from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+
+    upstream = mocker.patch.object(NixlPullConnectorWorker, "_nixl_handshake")
+    worker = object.__new__(NixlHMAConnectorWorker)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.201.7.3")
+    with pytest.raises(HandshakeError, match="VLLM_NIXL_SIDE_CHANNEL_HOST"):
+        worker._nixl_handshake(advertised, 5600, 2, "prefill-engine")
+    upstream.assert_not_called()
+    # on one host (decode's own side channel on loopback) upstream dials as before
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    worker._nixl_handshake(advertised, 5600, 2, "prefill-engine", remote_dcp_size=1)
+    upstream.assert_called_once_with(advertised, 5600, 2, "prefill-engine", remote_dcp_size=1)

@@ -27,6 +27,10 @@ from vllm_nixl_hma.core.blocks import has_local_blocks
 
 __all__ = [
     "DEFAULT_MARGIN_S",
+    "DEFAULT_READ_TIMEOUT_S",
+    "READ_ABANDONED",
+    "abandon_read",
+    "configured_read_timeout_s",
     "EXTENSION_PARAM",
     "PARAM",
     "READ_FINISHED_LATE",
@@ -102,6 +106,52 @@ READ_FINISHED_LATE = (
 def configured_margin_s(extra_config: Mapping[str, Any] | None) -> float:
     """``lease_margin_s`` from ``kv_connector_extra_config``, or the default."""
     return float((extra_config or {}).get("lease_margin_s", DEFAULT_MARGIN_S))
+
+
+#: how long a read may stay in flight before decode abandons it, by default
+DEFAULT_READ_TIMEOUT_S = 600.0
+
+#: logged (request id, seconds in flight, reason) when a read in flight is abandoned
+READ_ABANDONED = (
+    "NixlHMAConnector: the read of request %s has been in flight for %.1f s (%s); it is "
+    "abandoned, its blocks are not trusted and the prefill engine's agents are released"
+)
+
+
+def configured_read_timeout_s(extra_config: Mapping[str, Any] | None) -> float | None:
+    """``read_timeout_s`` from ``kv_connector_extra_config`` (a positive number
+    of seconds, or ``null`` for no limit beyond the lease), or the default;
+    ValueError naming the key for anything else (the config is the
+    operator's, read at start)."""
+    value = (extra_config or {}).get("read_timeout_s", DEFAULT_READ_TIMEOUT_S)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"kv_connector_extra_config read_timeout_s={value!r}: expected a positive "
+            "number of seconds or null"
+        )
+    return float(value)
+
+
+def abandon_read(
+    deadline_s: float | None,
+    now_s: float,
+    margin_s: float,
+    in_flight_s: float | None,
+    read_timeout_s: float | None,
+) -> str | None:
+    """Decode's rule for a read still in flight, on both releases: why it is
+    given up now, or None. ``lease``: the lease ends within ``margin_s``, so
+    the read could not be trusted when it ends (``untrusted_read``);
+    ``timeout``: it has been in flight ``read_timeout_s`` (a prefill host
+    that vanished without a reset leaves a read in flight for as long as
+    its transport keeps the connection)."""
+    if expired(deadline_s, now_s, margin_s):
+        return "lease"
+    if read_timeout_s is not None and in_flight_s is not None and in_flight_s >= read_timeout_s:
+        return "timeout"
+    return None
 
 
 def refuse_read(

@@ -146,6 +146,7 @@ V033 = Contract(
     worker_overrides=(
         "_apply_prefix_caching",
         "_build_mamba_remote",
+        "_nixl_handshake",
         "_pop_done_transfers",
         "_read_blocks",
         "_read_blocks_for_req",

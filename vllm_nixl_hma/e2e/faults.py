@@ -14,6 +14,13 @@ and breaks the transfer before decode reads:
   first block (as a client may send them: ``kv_transfer_params`` is part of
   the request body), so decode's blocks cannot be paired with prefill's.
 
+With ``--separate-hosts`` (``NETWORK_FAULTS``), faults of the network between
+the hosts:
+
+* ``prefill-host-gone``: after prefill answered, its host's link is unplugged
+  at the switch (no RST, no FIN: the host is simply gone) and stays unplugged
+  until both decode engines have answered and served their next request.
+
 A read that finishes after the lease cannot be arranged through engines on
 one host (loopback reads finish within a step); the check harness injects it
 (``vllm-nixl-hma check --faults``: ``late-read``).
@@ -34,9 +41,23 @@ from vllm_nixl_hma import proxy
 from vllm_nixl_hma.core import lease
 from vllm_nixl_hma.e2e.servers import HTTPResult, post_json
 
-__all__ = ["FAULTS", "POLICIES", "FaultResult", "broken_params", "decode", "prefill", "verdict"]
+__all__ = [
+    "ALL_FAULTS",
+    "FAULTS",
+    "NETWORK_FAULTS",
+    "POLICIES",
+    "FaultResult",
+    "broken_params",
+    "decode",
+    "prefill",
+    "verdict",
+]
 
 FAULTS = ("side-channel-unreachable", "lease-expired", "unpairable-block-lists", "prefill-killed")
+#: faults of the link between hosts: ``e2e --separate-hosts`` only
+NETWORK_FAULTS = ("prefill-host-gone",)
+#: the order faults run in (prefill-killed last: it kills prefill)
+ALL_FAULTS = (*FAULTS[:-1], *NETWORK_FAULTS, FAULTS[-1])
 POLICIES = ("fail", "recompute")
 
 

@@ -11,9 +11,11 @@ with ``ignore_eos``: decode's tokens must equal the reference's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,14 +44,17 @@ def fault_prompt_tokens(name: str) -> int:
     """Each fault's own prompt length (``FAULT_PROMPT_TOKENS`` and up): a
     decode engine with prefix caching (vLLM's default for a dense model)
     must not find the previous fault's prompt cached and read less."""
-    from vllm_nixl_hma.e2e.faults import FAULTS
+    from vllm_nixl_hma.e2e.faults import ALL_FAULTS
 
-    return FAULT_PROMPT_TOKENS + 7 * FAULTS.index(name)
+    return FAULT_PROMPT_TOKENS + 7 * ALL_FAULTS.index(name)
 
 
 KERNEL_BLOCK_TOKENS = 16
 #: how long ours waits for each side-channel answer in e2e (``side_channel_timeout_s``)
 E2E_SIDE_CHANNEL_TIMEOUT_S = 15.0
+#: how long ours lets a read stay in flight in e2e (``read_timeout_s``): a vanished
+#: prefill host's read is given up well inside the request timeout
+E2E_READ_TIMEOUT_S = 30.0
 #: the chat prompt's length in tokens (the tiny models' tokenizer has a word per token)
 CHAT_PROMPT_TOKENS = 300
 #: the embedded models ship no chat template: the messages' text, as it is
@@ -67,8 +72,12 @@ class E2EOptions:
     cpu_amx: str = "host"
     start_timeout_s: float = 900.0
     request_timeout_s: float = 300.0
-    #: names from ``faults.FAULTS`` to inject (prefill-killed runs last: it kills prefill)
+    #: names from ``faults.ALL_FAULTS`` to inject, in its order (``NETWORK_FAULTS``
+    #: need ``separate_hosts``)
     faults: tuple[str, ...] = ()
+    #: every engine and the router on a host of its own (``netns``), on links of ``link_rate``
+    separate_hosts: bool = False
+    link_rate: str = "10gbit"
 
 
 @dataclass
@@ -161,9 +170,42 @@ def _tokens(result: HTTPResult) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
+#: ``separate_hosts``: the host each engine runs on (the router and this
+#: driver's requests run on ``ROUTER_HOST``)
+HOST_OF_ENGINE = {
+    "reference": "ref",
+    "prefill": "prefill",
+    "decode": "decode",
+    "decode-recompute": "decoderc",
+}
+ROUTER_HOST = "router"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where engines and the router run: all on 127.0.0.1 in this network
+    namespace, or each on a host of ``topology`` (``netns.Topology``)."""
+
+    topology: Any = None
+
+    def engine(self, name: str) -> dict[str, Any]:
+        """``EngineSpec`` fields that put engine ``name`` on its host."""
+        if self.topology is None:
+            return {"host": "127.0.0.1", "namespace": None}
+        host = self.topology.hosts[HOST_OF_ENGINE[name]]
+        return {"host": host.address, "namespace": host.namespace}
+
+    @property
+    def router_address(self) -> str:
+        if self.topology is None:
+            return "127.0.0.1"
+        return self.topology.hosts[ROUTER_HOST].address
+
+
 def run_e2e(
     options: E2EOptions, workdir: Path, progress: Callable[[str], None], verbose: bool = False
 ) -> dict[str, Any]:
+    from vllm_nixl_hma.e2e import netns
     from vllm_nixl_hma.e2e.models import MODELS, ensure_model
 
     model_dir = (
@@ -181,6 +223,7 @@ def run_e2e(
         "faults": [],
         "cpu": {"host_amx": _host_amx(), "amx_told": options.cpu_amx, "moe_paths": {}},
         "start_failure": None,
+        "separate_hosts": options.separate_hosts,
         "logs": str(workdir),
     }
     engine = dict(
@@ -189,9 +232,36 @@ def run_e2e(
         cpu_amx=options.cpu_amx,
     )
     engines = []
-    with ServerSet(workdir) as servers, _follow(workdir, verbose):
+    with contextlib.ExitStack() as stack:
+        placement = Placement()
+        if options.separate_hosts:
+            try:
+                topology = stack.enter_context(
+                    netns.Topology(
+                        [ROUTER_HOST, *HOST_OF_ENGINE.values()], link_rate=options.link_rate
+                    )
+                )
+            except (netns.NetworkNamespacesUnavailable, ValueError) as e:
+                report["start_failure"] = {"engine": None, "last_error": str(e)}
+                report["error"] = str(e)
+                progress(f"failed: {e}")
+                return report
+            placement = Placement(topology)
+            report["hosts"] = {
+                name: {"namespace": host.namespace, "address": host.address}
+                for name, host in topology.hosts.items()
+            }
+            report["link"] = {"rate": options.link_rate, "rate_bits": topology.link_rate_bits}
+            progress(
+                f"hosts on a {options.link_rate} switch: "
+                + ", ".join(f"{n} {h.address}" for n, h in topology.hosts.items())
+            )
+            # this thread (its HTTP requests, the router it starts) on the router's host
+            stack.enter_context(netns.entered(topology.hosts[ROUTER_HOST].namespace))
+        servers = stack.enter_context(ServerSet(workdir))
+        stack.enter_context(_follow(workdir, verbose))
         try:
-            return _run_engines(options, report, servers, engines, engine, progress)
+            return _run_engines(options, report, servers, engines, engine, progress, placement)
         except EngineStartError as e:
             report["start_failure"] = e.as_json()
             report["error"] = str(e)
@@ -212,7 +282,9 @@ def _host_amx() -> bool | None:
         return None
 
 
-def _run_engines(options, report, servers, engines, engine, progress) -> dict[str, Any]:
+def _run_engines(
+    options, report, servers, engines, engine, progress, placement: Placement
+) -> dict[str, Any]:
     """The reference, prefill and decode engines, the prompts and the faults;
     every engine started is appended to ``engines``."""
     from vllm_nixl_hma import proxy
@@ -220,7 +292,9 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
 
     # 1. the reference: one engine, no connector
     progress("starting the reference engine (TP 1, no connector)")
-    reference = servers.start_engine(EngineSpec("reference", port=free_port(), **engine))
+    reference = servers.start_engine(
+        EngineSpec("reference", port=free_port(), **engine, **placement.engine("reference"))
+    )
     engines.append(reference)
     reference.wait_ready(options.start_timeout_s)
     # 2. prefill and decode
@@ -232,6 +306,7 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
             connector=options.connector,
             side_channel_port=free_port(),
             **engine,
+            **placement.engine(role),
         )
         for role, tp in (("prefill", options.p_tp), ("decode", options.d_tp))
     ]
@@ -247,6 +322,7 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
                 extra_config={
                     **spec.extra_config,
                     "side_channel_timeout_s": E2E_SIDE_CHANNEL_TIMEOUT_S,
+                    "read_timeout_s": E2E_READ_TIMEOUT_S,
                 },
             )
             for spec in specs
@@ -264,6 +340,7 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
                 port=free_port(),
                 side_channel_port=free_port(),
                 kv_load_failure_policy="recompute",
+                **placement.engine("decode-recompute"),
             )
         )
     started = [servers.start_engine(spec) for spec in specs]
@@ -315,12 +392,14 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
     servers.stop(reference)
     router = proxy.make_server(
         proxy.PDRouter([prefill.url], [decode.url], options.request_timeout_s),
-        "127.0.0.1",
+        placement.router_address,
         free_port(),
     )
     thread = threading.Thread(target=router.serve_forever, daemon=True)
     thread.start()
-    router_url = f"http://127.0.0.1:{router.server_address[1]}"
+    router_url = f"http://{placement.router_address}:{router.server_address[1]}"
+    link_before = _link_counters(placement)
+    kv_before = _kv_bytes_read(decode)
     try:
         for n in lengths[0]:
             progress(f"P/D prompt of {n} tokens")
@@ -345,6 +424,10 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
     finally:
         router.shutdown()
         router.server_close()
+    if placement.topology is not None:
+        report["link"].update(
+            _link_report(link_before, _link_counters(placement), kv_before, decode)
+        )
     if options.faults:
         report["faults"] = [
             f.as_json()
@@ -354,6 +437,7 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
                 expected,
                 options,
                 progress,
+                placement,
             )
         ]
     report["prompts"] = [r.as_json() for r in results]
@@ -365,7 +449,45 @@ def _run_engines(options, report, servers, engines, engine, progress) -> dict[st
     return report
 
 
-def _faults(prefill, decode_by_policy, expected, options, progress):
+def _link_counters(placement: Placement) -> dict[str, dict[str, int]]:
+    """Bytes each host's interface sent and received so far ({} on one host)."""
+    if placement.topology is None:
+        return {}
+    return {name: placement.topology.counters(name) for name in placement.topology.hosts}
+
+
+#: one sample line of vLLM's NIXL bytes histogram on /metrics (labels vary by release)
+_NIXL_BYTES = re.compile(r"^vllm:nixl_bytes_transferred_sum(?:\{[^}]*\})?\s+(\S+)$", re.M)
+
+
+def _kv_bytes_read(decode) -> int | None:
+    """What decode's NIXL reads moved so far, in bytes: vLLM's own histogram
+    (``vllm:nixl_bytes_transferred``, from NIXL's transfer telemetry) summed
+    over its label sets; None when the metric is not there."""
+    try:
+        status, text = decode.get("/metrics")
+    except OSError:
+        return None
+    found = _NIXL_BYTES.findall(text) if status == 200 else []
+    return int(sum(float(value) for value in found)) if found else None
+
+
+def _link_report(before, after, kv_before, decode) -> dict[str, Any]:
+    """The link counters' growth per host over the P/D prompts, and the KV
+    bytes decode's NIXL read meanwhile."""
+    grown = {
+        name: {
+            direction: after[name][direction] - before[name][direction]
+            for direction in ("tx_bytes", "rx_bytes")
+        }
+        for name in after
+    }
+    kv_after = _kv_bytes_read(decode)
+    kv = None if kv_after is None else kv_after - (kv_before or 0)
+    return {"bytes_during_prompts": grown, "kv_bytes_read": kv}
+
+
+def _faults(prefill, decode_by_policy, expected, options, progress, placement: Placement):
     """Each fault under each policy on its own decode engine (``faults``)."""
     from vllm_nixl_hma.e2e import faults
     from vllm_nixl_hma.harness.coordinator import free_port
@@ -373,34 +495,69 @@ def _faults(prefill, decode_by_policy, expected, options, progress):
     dead_port = free_port()  # nothing listens there
     t = options.request_timeout_s
     results = []
-    for name in sorted(options.faults, key=faults.FAULTS.index):
+    for name in sorted(options.faults, key=faults.ALL_FAULTS.index):
         progress(f"fault {name}")
+        if name in faults.NETWORK_FAULTS and placement.topology is None:
+            result = faults.FaultResult(name, "-", error="needs separate hosts")
+            results.append(result)
+            continue
         body = completion(prompt_ids(fault_prompt_tokens(name)))
         expected_tokens, _ = _tokens(expected[fault_prompt_tokens(name)])
         params = {policy: faults.prefill(prefill.url, body, t) for policy in faults.POLICIES}
         if name == "prefill-killed":
             prefill.kill()
-        for policy, decode_server in decode_by_policy.items():
-            result = faults.FaultResult(name, policy)
-            if params[policy] is None:
-                result.error = "prefill returned no kv_transfer_params"
-                results.append(result)
-                continue
-            answer = faults.decode(decode_server.url, name, body, params[policy], dead_port, t)
-            tokens, _ = _tokens(answer)
-            faults.verdict(result, answer, expected_tokens, tokens)
-            # the same decode engine, the next request: P/D while prefill lives
-            if prefill.alive():
-                next_params = faults.prefill(prefill.url, body, t)
-                follow_up = {**body, "kv_transfer_params": next_params}
-            else:
-                follow_up = body
-            next_answer = post_json(decode_server.url, "/v1/completions", follow_up, t)
-            result.next_request_ok = (
-                next_answer.status == 200 and _tokens(next_answer)[0] == expected_tokens
-            )
-            result.ok = result.ok and result.next_request_ok
+        with _network_fault(name, placement):
+            results += _fault_cells(
+                name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t,
+                reachable=prefill.alive() and name not in faults.NETWORK_FAULTS,
+            )  # fmt: skip
+    return results
+
+
+@contextlib.contextmanager
+def _network_fault(name: str, placement: Placement):
+    """The network as fault ``name`` leaves it, for the block's length."""
+    if name != "prefill-host-gone":
+        yield
+        return
+    placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=False)
+    try:
+        yield
+    finally:
+        # back only for the faults after this one, which need a prefill engine
+        placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=True)
+
+
+def _fault_cells(
+    name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t, reachable
+):
+    """Fault ``name``'s cell under each policy: decode's answer to the broken
+    request, then the same engine's next request (P/D while prefill is
+    ``reachable``, else a plain one)."""
+    from vllm_nixl_hma.e2e import faults
+
+    results = []
+    for policy, decode_server in decode_by_policy.items():
+        result = faults.FaultResult(name, policy)
+        if params[policy] is None:
+            result.error = "prefill returned no kv_transfer_params"
             results.append(result)
+            continue
+        answer = faults.decode(decode_server.url, name, body, params[policy], dead_port, t)
+        tokens, _ = _tokens(answer)
+        faults.verdict(result, answer, expected_tokens, tokens)
+        # the same decode engine, the next request: P/D while prefill lives
+        if reachable:
+            next_params = faults.prefill(prefill.url, body, t)
+            follow_up = {**body, "kv_transfer_params": next_params}
+        else:
+            follow_up = body
+        next_answer = post_json(decode_server.url, "/v1/completions", follow_up, t)
+        result.next_request_ok = (
+            next_answer.status == 200 and _tokens(next_answer)[0] == expected_tokens
+        )
+        result.ok = result.ok and result.next_request_ok
+        results.append(result)
     return results
 
 

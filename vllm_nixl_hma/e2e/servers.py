@@ -61,9 +61,15 @@ class EngineSpec:
     cpu_amx: str = "host"
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: the address the engine serves HTTP on and advertises as its side-channel host
+    host: str = "127.0.0.1"
+    #: the network namespace (``e2e.netns``) the engine runs in; None: this one
+    namespace: str | None = None
 
     def command(self) -> list[str]:
+        netns_prefix = [] if self.namespace is None else ["ip", "netns", "exec", self.namespace]
         args = [
+            *netns_prefix,
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -72,7 +78,7 @@ class EngineSpec:
             "--served-model-name",
             "model",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--dtype",
@@ -117,13 +123,13 @@ class EngineSpec:
         env.update(
             {
                 "HF_HUB_OFFLINE": "1",
-                "UCX_NET_DEVICES": "lo",
                 "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        env.update(self.ucx_environment())
         env.pop(cpu_kernel_block.ENV, None)
         # no worker pinned to one shared core (see cpu_kv_core)
         env[cpu_kv_core.ENV] = "1"
@@ -143,15 +149,30 @@ class EngineSpec:
         env.update(self.extra_env)
         return env
 
+    def ucx_environment(self) -> dict[str, str]:
+        """UCX as a host without RDMA talks to another host: TCP over the host's
+        one interface. On one machine UCX would otherwise move the KV through
+        shared memory between namespaces (they share a kernel), past the link."""
+        if self.namespace is None:
+            return {"UCX_NET_DEVICES": "lo"}
+        return {"UCX_NET_DEVICES": "eth0", "UCX_TLS": "tcp"}
+
 
 class Server:
-    """A process group serving HTTP on 127.0.0.1:``port``, logging to ``log_path``."""
+    """A process group serving HTTP on ``host``:``port``, logging to ``log_path``."""
 
     def __init__(
-        self, name: str, port: int, command: Sequence[str], env: dict[str, str], log_path: Path
+        self,
+        name: str,
+        port: int,
+        command: Sequence[str],
+        env: dict[str, str],
+        log_path: Path,
+        host: str = "127.0.0.1",
     ):
         self.name = name
         self.port = port
+        self.host = host
         self.log_path = log_path
         log = open(log_path, "a", buffering=1)  # noqa: SIM115 (the child holds it)
         log.write(f"===== {name}: {' '.join(command)}\n")
@@ -168,7 +189,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -181,7 +202,7 @@ class Server:
             if not self.alive():
                 raise EngineStartError(self)
             try:
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                connection = http.client.HTTPConnection(self.host, self.port, timeout=5)
                 connection.request("GET", path)
                 if connection.getresponse().status == 200:
                     return
@@ -193,7 +214,7 @@ class Server:
         raise TimeoutError(f"{self.name} was not ready within {timeout_s:.0f} s")
 
     def get(self, path: str, timeout_s: float = 10.0) -> tuple[int, str]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
         try:
             connection.request("GET", path)
             response = connection.getresponse()
@@ -327,10 +348,17 @@ class ServerSet:
         self.servers: list[Server] = []
 
     def start_engine(self, spec: EngineSpec) -> Server:
-        return self.start(spec.name, spec.port, spec.command(), spec.environment())
+        return self.start(spec.name, spec.port, spec.command(), spec.environment(), spec.host)
 
-    def start(self, name: str, port: int, command: Sequence[str], env: dict[str, str]) -> Server:
-        server = Server(name, port, command, env, self.log_dir / f"{name}.log")
+    def start(
+        self,
+        name: str,
+        port: int,
+        command: Sequence[str],
+        env: dict[str, str],
+        host: str = "127.0.0.1",
+    ) -> Server:
+        server = Server(name, port, command, env, self.log_dir / f"{name}.log", host)
         self.servers.append(server)
         return server
 

@@ -40,6 +40,15 @@ class LeaseChecks:
     def _lease_deadlines(self) -> dict[str, float]:
         return {}
 
+    @functools.cached_property
+    def _read_timeout_s(self) -> float | None:
+        return lease.configured_read_timeout_s(self.kv_transfer_config.kv_connector_extra_config)
+
+    @functools.cached_property
+    def _reads_posted_at(self) -> dict[str, float]:
+        """{request id: time.monotonic() when its first read was posted}"""
+        return {}
+
     def start_load_kv(self, metadata):
         """vLLM 0.21.0 ``NixlConnectorWorker.start_load_kv``, after noting the
         lease ends the scheduler side attached (see the ledger), and after
@@ -81,16 +90,68 @@ class LeaseChecks:
             self._failed_recv_reqs.add(req_id)
             return
         super()._read_blocks_for_req(req_id, meta)
+        if self._recving_transfers.get(req_id):
+            self._reads_posted_at.setdefault(req_id, time.monotonic())
 
     def _pop_done_transfers(self, transfers):
-        """vLLM 0.21.0 ``NixlConnectorWorker._pop_done_transfers``; a read that
-        finished past the lease has its blocks reported invalid (the request's
-        metadata is still there at this point of ``get_finished``)."""
+        """vLLM 0.21.0 ``NixlConnectorWorker._pop_done_transfers``, after
+        giving up reads still in flight too long, and with a read that
+        finished past the lease reported invalid (the request's metadata is
+        still there at this point of ``get_finished``).
+
+        Why: upstream waits for a read for ever. A prefill host that vanished
+        without a reset (link or host down) leaves its reads in flight for as
+        long as UCX keeps the connection: the request never ends and holds
+        its blocks. What changes: a read still in flight when
+        ``lease.abandon_read`` says so (the lease ends within the margin, or
+        ``read_timeout_s`` passed since it was posted) is failed as a failed
+        transfer is (``_handle_failed_transfer``: handles released, blocks
+        reported invalid, the engine's agents released once nothing else is
+        in flight from it, so a late answer has no endpoint to land through).
+        Remove when: upstream bounds a read's time.
+        """
+        abandoned = self._abandon_overdue_reads(transfers)
         done_request_ids = super()._pop_done_transfers(transfers)
         now = time.time()
         for request_id in done_request_ids:
+            self._reads_posted_at.pop(request_id, None)
             deadline = self._lease_deadlines.pop(request_id, None)
             if deadline is not None and lease.untrusted_read(deadline, now, self._lease_margin_s):
                 logger.error(lease.READ_FINISHED_LATE, request_id)
                 self._report_invalid_blocks_of(request_id)
-        return done_request_ids
+        return done_request_ids | abandoned
+
+    def _abandon_overdue_reads(self, transfers) -> set[str]:
+        now_wall, now = time.time(), time.monotonic()
+        abandoned = set()
+        for request_id, handles in list(transfers.items()):
+            posted_at = self._reads_posted_at.get(request_id)
+            in_flight_s = None if posted_at is None else now - posted_at
+            reason = lease.abandon_read(
+                self._lease_deadlines.get(request_id),
+                now_wall,
+                self._lease_margin_s,
+                in_flight_s,
+                self._read_timeout_s,
+            )
+            if reason is None:
+                continue
+            logger.error(lease.READ_ABANDONED, request_id, in_flight_s or 0.0, reason)
+            for handle in handles:
+                try:
+                    self._handle_failed_transfer(request_id, handle)
+                except Exception as e:  # NIXL could not release it: still never trusted
+                    logger.error(
+                        "NixlHMAConnector: releasing a read of request %s failed: %s",
+                        request_id,
+                        e,
+                    )
+                    self._report_invalid_blocks_of(request_id)
+                    meta = self._recving_metadata.get(request_id)
+                    if meta is not None and meta.remote is not None:
+                        self._forget_remote_engine(meta.remote.engine_id)
+            del transfers[request_id]
+            self._reads_posted_at.pop(request_id, None)
+            self._lease_deadlines.pop(request_id, None)
+            abandoned.add(request_id)
+        return abandoned

@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from vllm_nixl_hma import __version__  # noqa: E402
 from vllm_nixl_hma.core import (  # noqa: E402
+    addresses,
     blocks,
     handshake,
     side_channel,
@@ -232,11 +233,16 @@ class PeerChecks(RemoteRankBeingAdded):
         and an unanswered query is asked again on a new socket within the
         side-channel timeout (``side_channel``), where upstream waits once;
         every socket comes from upstream's ``zmq_ctx`` as upstream's does.
+        Before dialing, a side-channel host that can only name this machine
+        while this engine is on a network is refused (``addresses``).
         Remove when: upstream validates remote layouts itself.
         """
         import msgspec
         import zmq
+        from vllm import envs
         from vllm.utils.network_utils import make_zmq_path
+
+        addresses.check_remote_host(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
         if not self.use_host_buffer:
             # the background thread needs a device context (see upstream)
             upstream_worker_module.current_platform.set_device(self.device_id)

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
     NixlAgentMetadata,
 )
 
-from vllm_nixl_hma.core import handshake  # noqa: E402
+from vllm_nixl_hma.core import addresses, handshake  # noqa: E402
 from vllm_nixl_hma.core.errors import UnsupportedModelError  # noqa: E402
 from vllm_nixl_hma.core.remote_rank import RemoteRankBeingAdded  # noqa: E402
 from vllm_nixl_hma.core.state_split import (  # noqa: E402
@@ -37,6 +37,23 @@ class PeerChecks(RemoteRankBeingAdded):
 
     #: this rank's state split (``worker.__init__``); None: upstream's offsets
     _split: StateSplit | None = None
+
+    def _nixl_handshake(self, host: str, port: int, *args, **kwargs):
+        """vLLM 0.33.0 ``_nixl_handshake``, after a check of the host it dials.
+
+        Why: prefill advertises its ``VLLM_NIXL_SIDE_CHANNEL_HOST`` and
+        upstream dials whatever it is; a wildcard or loopback host makes a
+        decode engine on another host dial itself (no answer, or its own
+        listener answering for another engine). What changes: such a host is
+        refused naming the setting and both values (``addresses``) while
+        this engine's own side-channel host is on a network; the refusal
+        fails the waiting requests as any handshake failure does upstream.
+        Remove when: upstream checks the address it is given.
+        """
+        from vllm import envs
+
+        addresses.check_remote_host(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+        return super()._nixl_handshake(host, port, *args, **kwargs)
 
     def add_remote_agent(
         self,

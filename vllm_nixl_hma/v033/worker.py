@@ -3,8 +3,8 @@
 Ledger of departures from vLLM 0.33.0's ``NixlPullConnectorWorker`` (each
 override's docstring says what upstream does, why we depart, and when to
 remove it). The class is composed of one mixin per concern, before
-upstream's class in its bases: ``peer.PeerChecks`` (``add_remote_agent``,
-``_build_mamba_remote``), ``read_path.ReadPath`` (``_apply_prefix_caching``,
+upstream's class in its bases: ``peer.PeerChecks`` (``_nixl_handshake``,
+``add_remote_agent``, ``_build_mamba_remote``), ``read_path.ReadPath`` (``_apply_prefix_caching``,
 ``_read_blocks``), ``lease_checks.LeaseChecks`` (the lease); this module
 keeps the constructor:
 
@@ -13,6 +13,9 @@ keeps the constructor:
   disagree on where the local conv parts lie, since upstream's local
   descriptors come from its own. A state ``mamba_conv`` does not describe
   (Mamba1, MLA with SSM) keeps upstream's offsets, with a warning.
+* ``_nixl_handshake``: refuses, before dialing, a side-channel host that can
+  only name decode's own machine (``0.0.0.0``, loopback) while decode's own
+  is on a network (``addresses``); upstream dials it and talks to itself.
 * ``add_remote_agent``: refuses a prefill rank decode cannot read before
   anything of it is registered or loaded (``handshake.refuse_before_loading``:
   layout, regions, Mamba state sizes, unequal kernel-per-logical ratios with

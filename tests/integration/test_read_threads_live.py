@@ -75,6 +75,13 @@ def test_a_bad_split_is_refused_before_any_agent_exists(upstream_constructor):
     assert upstream_constructor == []
 
 
+@pytest.mark.parametrize("value", [0, "30s"])
+def test_a_bad_read_timeout_is_refused_before_any_agent_exists(upstream_constructor, value):
+    with pytest.raises(ValueError, match=f"read_timeout_s={value!r}"):
+        NixlHMAConnectorWorker(vllm_config({"read_timeout_s": value}), "engine", None)
+    assert upstream_constructor == []
+
+
 def test_a_split_agent_reads_every_chunk():
     """NIXL splits a read of more than ``split_batch_size`` descriptors into
     chunks on several threads; every chunk lands (raw NIXL, 100 descriptors

@@ -96,6 +96,14 @@ The prefill lease (``start_load_kv``, ``_read_blocks_for_req``, ``get_finished``
     prefill put in ``kv_transfer_params`` (``lease.py``). Remove when:
     upstream carries a lease.
 
+Reads in flight too long (``_pop_done_transfers``)
+    Why: upstream waits for a posted read for ever; a prefill host gone
+    without a reset (link or host down) leaves it in flight for as long as
+    UCX keeps the connection. How: a read still in flight at the lease
+    margin or ``read_timeout_s`` after it was posted fails as a failed
+    transfer does, and the engine's agents are released. Remove when:
+    upstream bounds a read's time.
+
 ``get_finished()``
     Why: upstream looks up the remote engine of every finished receive, and a
     request whose handshake failed names an engine that never registered: a
@@ -171,6 +179,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from vllm_nixl_hma.core import (  # noqa: E402
     blocks,
+    lease,
     read_threads,
     upstream_contract,
 )
@@ -242,7 +251,7 @@ class NixlHMAConnectorWorker(
         Also: upstream's ``NixlWrapper`` is ``build_nixl_agent`` meanwhile, so
         that a read of our run descriptors is spread over NIXL's threads (see
         the ledger); ``kv_connector_extra_config`` ``split_batch_size`` is
-        checked here, before any agent exists.
+        checked here, before any agent exists, and so is ``read_timeout_s``.
         """
         contract = upstream_contract.V021
         nixl_note = _compat.untested_nixl()
@@ -257,6 +266,7 @@ class NixlHMAConnectorWorker(
         )
         extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
         split_batch_size = read_threads.split_batch_size_from(extra_config)
+        lease.configured_read_timeout_s(extra_config)  # a bad read_timeout_s stops startup
 
         def split_for_this_rank(mamba_spec, local_tp):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

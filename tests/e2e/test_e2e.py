@@ -182,17 +182,19 @@ def assert_no_callback_raised(workdir):
         assert "exception calling callback" not in text, log
 
 
-def test_stock_dense_matches(tmp_path):
-    """The harness is not hostile to stock: a dense model at equal TP passes.
-    Stock gets a second run only when its first failed on its one-shot first
-    handshake (nothing else), and says so."""
-    connector = "NixlConnector"
+def test_stock_dense_matches_across_hosts(tmp_path):
+    """The harness is not hostile to stock: a dense model at equal TP passes,
+    with every engine on a host of its own and the KV across the link (as
+    ours does on the hybrid). Stock gets a second run only when its first
+    failed on its one-shot first handshake (nothing else), and says so."""
+    options = dict(model="dense", connector="NixlConnector", p_tp=1, d_tp=1, separate_hosts=True)
     first = tmp_path / "first"
     first.mkdir()
-    report, log = e2e(first, model="dense", connector=connector, p_tp=1, d_tp=1)
+    report, log = e2e(first, **options)
     if not report["ok"] and stock_first_handshake_went_unanswered(first):
         print(f"stock's first handshake went unanswered in 5 s (see {first}); running again")
         second = tmp_path / "second"
         second.mkdir()
-        report, log = e2e(second, model="dense", connector=connector, p_tp=1, d_tp=1)
+        report, log = e2e(second, **options)
     assert report["ok"], log
+    assert_kv_crossed_the_link(report, log)

@@ -132,3 +132,12 @@ def test_a_split_agent_reads_every_chunk():
         reader.remove_remote_agent(name)
         for agent, registered in registrations:
             agent.deregister_memory(registered)
+
+
+def test_ucx_net_devices_naming_a_device_this_host_lacks_stops_startup(
+    upstream_constructor, monkeypatch
+):
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth9")
+    with pytest.raises(ValueError, match="UCX_NET_DEVICES='eth9' names eth9"):
+        NixlHMAConnectorWorker(vllm_config({}), "engine", None)
+    assert upstream_constructor == []

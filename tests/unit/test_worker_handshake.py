@@ -107,3 +107,16 @@ def test_on_one_host_a_loopback_prefill_host_is_dialed(worker, mocker, monkeypat
     opened = serve(mocker, stock_payload())
     assert worker._nixl_handshake("127.0.0.1", 5600, 1, ENGINE) == {0: "remote-agent"}
     assert len(opened) == 1
+
+
+def test_loopback_only_ucx_is_refused_before_dialing_a_prefill_on_another_host(
+    worker, mocker, monkeypatch
+):
+    from vllm_nixl_hma.core.handshake import HandshakeError
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    opened = serve(mocker, stock_payload())
+    with pytest.raises(HandshakeError, match="UCX_NET_DEVICES") as refused:
+        worker._nixl_handshake("10.201.7.4", 5600, 1, ENGINE)
+    assert refused.value.local == "lo"
+    assert opened == []

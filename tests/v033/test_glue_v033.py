@@ -98,3 +98,18 @@ def test_a_prefill_host_that_names_decodes_own_machine_is_refused_before_dialing
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     worker._nixl_handshake(advertised, 5600, 2, "prefill-engine", remote_dcp_size=1)
     upstream.assert_called_once_with(advertised, 5600, 2, "prefill-engine", remote_dcp_size=1)
+
+
+def test_loopback_only_ucx_is_refused_before_dialing_a_prefill_on_another_host(mocker, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    from vllm_nixl_hma.core.handshake import HandshakeError
+    from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+
+    upstream = mocker.patch.object(NixlPullConnectorWorker, "_nixl_handshake")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    with pytest.raises(HandshakeError, match="UCX_NET_DEVICES"):
+        object.__new__(NixlHMAConnectorWorker)._nixl_handshake("10.201.7.4", 5600, 2, "p")
+    upstream.assert_not_called()

@@ -242,7 +242,7 @@ class PeerChecks(RemoteRankBeingAdded):
         from vllm import envs
         from vllm.utils.network_utils import make_zmq_path
 
-        addresses.check_remote_host(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+        addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
         if not self.use_host_buffer:
             # the background thread needs a device context (see upstream)
             upstream_worker_module.current_platform.set_device(self.device_id)

@@ -178,6 +178,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from vllm_nixl_hma.core import (  # noqa: E402
+    addresses,
     blocks,
     lease,
     read_threads,
@@ -251,7 +252,8 @@ class NixlHMAConnectorWorker(
         Also: upstream's ``NixlWrapper`` is ``build_nixl_agent`` meanwhile, so
         that a read of our run descriptors is spread over NIXL's threads (see
         the ledger); ``kv_connector_extra_config`` ``split_batch_size`` is
-        checked here, before any agent exists, and so is ``read_timeout_s``.
+        checked here, before any agent exists, and so are ``read_timeout_s`` and
+        ``UCX_NET_DEVICES`` (``addresses.check_at_start``).
         """
         contract = upstream_contract.V021
         nixl_note = _compat.untested_nixl()
@@ -267,6 +269,7 @@ class NixlHMAConnectorWorker(
         extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
         split_batch_size = read_threads.split_batch_size_from(extra_config)
         lease.configured_read_timeout_s(extra_config)  # a bad read_timeout_s stops startup
+        addresses.check_at_start()  # UCX_NET_DEVICES names devices this host has
 
         def split_for_this_rank(mamba_spec, local_tp):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

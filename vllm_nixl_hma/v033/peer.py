@@ -52,7 +52,7 @@ class PeerChecks(RemoteRankBeingAdded):
         """
         from vllm import envs
 
-        addresses.check_remote_host(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+        addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
         return super()._nixl_handshake(host, port, *args, **kwargs)
 
     def add_remote_agent(

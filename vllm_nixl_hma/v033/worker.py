@@ -75,7 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec  # noqa: E402
 
-from vllm_nixl_hma.core import blocks, lease, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core import addresses, blocks, lease, upstream_contract  # noqa: E402
 from vllm_nixl_hma.core.errors import UnsupportedModelError  # noqa: E402
 from vllm_nixl_hma.core.groups import group_kinds  # noqa: E402
 from vllm_nixl_hma.core.state_split import derive_state_split  # noqa: E402
@@ -109,13 +109,16 @@ class NixlHMAConnectorWorker(PeerChecks, ReadPath, LeaseChecks, NixlPullConnecto
         SSM, or a config whose dimensions do not give vLLM's state shapes)
         keeps upstream's offsets, with a warning: 0.33 moves those, and
         refusing them would take away what stock serves. Remove when:
-        upstream reads replicated SSM groups right.
+        upstream reads replicated SSM groups right. Before upstream's
+        constructor, a ``UCX_NET_DEVICES`` naming a device this host lacks
+        stops startup (``addresses.check_at_start``).
         """
         contract = upstream_contract.V033
         nixl_note = _compat.untested_nixl()
         if nixl_note:
             logger.warning_once("NixlHMAConnector: %s", nixl_note)
         contract.require_worker_class(NixlPullConnectorWorker)
+        addresses.check_at_start()  # UCX_NET_DEVICES names devices this host has
         super().__init__(vllm_config, engine_id, kv_cache_config)
         contract.require_state(
             self, contract.worker_state, NixlPullConnectorWorker, "its constructor"

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 
 from tests.property.test_handshake_fuzz import ENGINE, HASH, stock_payload, valid_outer
 from tests.unit.test_handshake import record
-from vllm_nixl_hma.core.handshake import CompatibilityHashMismatch
+from vllm_nixl_hma.core.handshake import PAYLOAD_FIELD, CompatibilityHashMismatch, encode_record
 from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
 
 
@@ -120,3 +120,37 @@ def test_loopback_only_ucx_is_refused_before_dialing_a_prefill_on_another_host(
         worker._nixl_handshake("10.201.7.4", 5600, 1, ENGINE)
     assert refused.value.local == "lo"
     assert opened == []
+
+
+def test_a_hash_mismatch_from_two_model_paths_names_both_paths(worker, mocker):
+    """The same weights under two paths: vLLM's hash includes the path and
+    its message does not say so. Ours keeps vLLM's message and names the
+    paths, before any agent is registered."""
+    worker._handshake_record = record(model="/models/qwen3-next")
+    outer = valid_outer()
+    outer["compatibility_hash"] = "another"
+    outer[PAYLOAD_FIELD] = encode_record(record(model="/data/weights/qwen3-next"))
+    serve(mocker, msgspec.msgpack.encode(outer))
+    with pytest.raises(CompatibilityHashMismatch) as refused:
+        worker._nixl_handshake("127.0.0.1", 5600, 1, ENGINE)
+    message = str(refused.value)
+    assert message.startswith("NIXL compatibility hash mismatch.")
+    assert "'/models/qwen3-next'" in message and "'/data/weights/qwen3-next'" in message
+    assert refused.value.field.startswith("model")
+    assert (refused.value.local, refused.value.remote) == (
+        "/models/qwen3-next",
+        "/data/weights/qwen3-next",
+    )
+    NixlHMAConnectorWorker.add_remote_agent.assert_not_called()
+
+
+def test_a_hash_mismatch_with_the_same_path_keeps_vllms_fields(worker, mocker):
+    worker._handshake_record = record(model="/models/m")
+    outer = valid_outer()
+    outer["compatibility_hash"] = "another"
+    outer[PAYLOAD_FIELD] = encode_record(record(model="/models/m"))
+    serve(mocker, msgspec.msgpack.encode(outer))
+    with pytest.raises(CompatibilityHashMismatch) as refused:
+        worker._nixl_handshake("127.0.0.1", 5600, 1, ENGINE)
+    assert refused.value.field == "compatibility_hash"
+    assert "--model paths" not in str(refused.value)

@@ -28,7 +28,9 @@ difference, then whether the two engines' kernel blocks can be paired
 Version history (``RECORD_VERSION``):
   1: groups (kind, kernel-per-logical ratio), kernel and logical block tokens,
      regions (is each registered region Mamba state), KV layout, dtypes, conv
-     state layout, prefix caching, Mamba cache mode, TP size, plugin version.
+     state layout, prefix caching, Mamba cache mode, TP size, plugin version;
+     later, as a minor addition older peers ignore: ``model`` (the --model
+     path, named when vLLM's compatibility hash differs).
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ class HandshakeRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     prefix_caching: bool
     mamba_cache_mode: str
     tp_size: int
+    #: ``--model`` as the engine was given it, which vLLM's compatibility hash
+    #: includes (a minor addition: "" from a peer that does not send it)
+    model: str = ""
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=False):
@@ -185,23 +190,38 @@ def parse_payload(payload_bytes: bytes) -> ParsedPayload:
 
 class CompatibilityHashMismatch(HandshakeError):
     """vLLM's own check: the peers' compatibility hashes differ. The message
-    is upstream's (operators and routers know it), the fields are ours."""
+    is upstream's (operators and routers know it), the fields are ours; where
+    both records carry the model path and the paths differ, the error names
+    them (``field`` is then ``model``): the same weights under two paths are
+    refused by vLLM's hash, and nothing in upstream's message says so."""
 
-    def __init__(self, local_hash: str, remote_hash: str):
+    def __init__(
+        self, local_hash: str, remote_hash: str, local_model: str = "", remote_model: str = ""
+    ):
+        paths_differ = bool(local_model and remote_model and local_model != remote_model)
         super().__init__(
-            "compatibility_hash",
-            local_hash,
-            remote_hash,
+            "model (--model, part of vLLM's compatibility hash)"
+            if paths_differ
+            else "compatibility_hash",
+            local_model if paths_differ else local_hash,
+            remote_model if paths_differ else remote_hash,
             "prefill and decode must run the same vLLM, model and settings",
         )
-        self.args = (
+        message = (
             f"NIXL compatibility hash mismatch. Local: {local_hash}, Remote: {remote_hash}. "
             "Prefill and decode instances have incompatible configurations. This may be due "
             "to: different vLLM versions, models, dtypes, KV cache layouts, attention "
             "backends, etc. Both instances must use identical configurations. Disable this "
             "check using --kv-transfer-config "
-            '\'{"kv_connector_extra_config": {"enforce_handshake_compat": false}}\'',
+            '\'{"kv_connector_extra_config": {"enforce_handshake_compat": false}}\''
         )
+        if paths_differ:
+            message += (
+                f" The engines were started with different --model paths (local={local_model!r}, "
+                f"remote={remote_model!r}), which vLLM's compatibility hash includes: serve the "
+                "model from the same path on both hosts."
+            )
+        self.args = (message,)
 
 
 def record_for_stock_peer(

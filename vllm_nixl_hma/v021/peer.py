@@ -209,6 +209,7 @@ class PeerChecks(RemoteRankBeingAdded):
             prefix_caching=bool(cache_config.enable_prefix_caching),
             mamba_cache_mode=str(cache_config.mamba_cache_mode),
             tp_size=int(self.world_size),
+            model=str(self.vllm_config.model_config.model),
         )
 
     def _nixl_handshake(
@@ -300,7 +301,12 @@ class PeerChecks(RemoteRankBeingAdded):
             raise RuntimeError("compatibility hash is computed in register_kv_caches")
         # upstream's check first, with upstream's message and escape hatch
         if self.enforce_compat_hash and parsed.compatibility_hash != self.compat_hash:
-            raise handshake.CompatibilityHashMismatch(self.compat_hash, parsed.compatibility_hash)
+            raise handshake.CompatibilityHashMismatch(
+                self.compat_hash,
+                parsed.compatibility_hash,
+                self._handshake_record.model,
+                parsed.record.model if parsed.record is not None else "",
+            )
         if parsed.record is not None:
             handshake.validate_remote(self._handshake_record, parsed.record)
             if parsed.record.tp_size != remote_tp_size:

@@ -197,3 +197,22 @@ def test_a_read_in_flight_when_the_lease_ends_is_failed_without_waiting_for_the_
     transfers = {"req-1": [71]}
     assert worker._pop_done_transfers(transfers) == {"req-1"}
     assert transfers == {} and worker._invalid_block_ids == {3, 4}
+
+
+def test_a_read_nixl_cannot_release_keeps_its_blocks_until_a_release_succeeds(mocker):
+    """A handle NIXL did not release may still write into the request's
+    blocks: the request stays in flight (its blocks held), and the next
+    step releases it and ends the request."""
+    import time
+
+    worker = worker_for(mocker, [FULL], False)
+    worker.__dict__.update(_read_timeout_s=30.0, _lease_margin_s=5.0)
+    worker._recving_metadata["req-1"] = request_meta([[3, 4]])
+    worker._reads_posted_at["req-1"] = time.monotonic() - 31
+    worker.nixl_wrapper.check_xfer_state.return_value = "PROC"
+    worker.nixl_wrapper.release_xfer_handle.side_effect = [RuntimeError("busy"), None]
+    transfers = {"req-1": [71]}
+    assert worker._pop_done_transfers(transfers) == set()
+    assert transfers == {"req-1": [71]}
+    assert worker._pop_done_transfers(transfers) == {"req-1"}
+    assert transfers == {}

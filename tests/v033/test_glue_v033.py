@@ -113,3 +113,33 @@ def test_loopback_only_ucx_is_refused_before_dialing_a_prefill_on_another_host(m
     with pytest.raises(HandshakeError, match="UCX_NET_DEVICES"):
         object.__new__(NixlHMAConnectorWorker)._nixl_handshake("10.201.7.4", 5600, 2, "p")
     upstream.assert_not_called()
+
+
+def test_a_read_in_flight_past_read_timeout_fails_and_a_younger_one_stays(mocker):
+    """0.33's heartbeats keep extending prefill's lease while decode waits, so
+    a read left in flight by a vanished prefill host is bounded only by
+    ``read_timeout_s``: past it, upstream's own failed-transfer path (engine
+    marked failed, handle released) ends the request."""
+    import time
+    import types
+
+    from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+
+    worker = object.__new__(NixlHMAConnectorWorker)
+    worker.nixl_wrapper = mocker.Mock()
+    worker.nixl_wrapper.check_xfer_state.return_value = "PROC"
+    worker.xfer_stats = mocker.Mock()
+    worker._failed_remote_engines = set()
+    worker._read_timeout_s = 30.0
+    remote = types.SimpleNamespace(engine_id="prefill", request_id="p-1", blocks_expiry_time=None)
+    worker._recving_metadata = {
+        "old": types.SimpleNamespace(remote=remote),
+        "young": types.SimpleNamespace(remote=remote),
+    }
+    worker._reads_posted_at.update(old=time.perf_counter() - 31, young=time.perf_counter())
+    transfers = {"old": [71], "young": [72]}
+    done, failed = worker._pop_done_transfers(transfers)
+    assert (done, failed) == ({"old"}, {"old"})
+    assert transfers == {"young": [72]}
+    worker.nixl_wrapper.release_xfer_handle.assert_called_once_with(71)
+    assert worker._failed_remote_engines == {"prefill"}

@@ -167,6 +167,7 @@ V033 = Contract(
         "_ple_region_index",
         "_recv_failures",
         "_recving_metadata",
+        "_recving_transfers",  # the reads in flight (given up after read_timeout_s)
         "_remote_agents",
         "_ssm_region_indices",
         "block_len_per_layer",

@@ -137,19 +137,24 @@ class LeaseChecks:
             if reason is None:
                 continue
             logger.error(lease.READ_ABANDONED, request_id, in_flight_s or 0.0, reason)
+            retained = []
             for handle in handles:
                 try:
                     self._handle_failed_transfer(request_id, handle)
-                except Exception as e:  # NIXL could not release it: still never trusted
+                except Exception as e:
+                    # NIXL could not release it, so it may still write into the
+                    # request's blocks: the handle (and with it the request and
+                    # its blocks) is kept and released again at the next step
                     logger.error(
-                        "NixlHMAConnector: releasing a read of request %s failed: %s",
+                        "NixlHMAConnector: releasing a read of request %s failed (%s); "
+                        "its blocks stay held until a release succeeds",
                         request_id,
                         e,
                     )
-                    self._report_invalid_blocks_of(request_id)
-                    meta = self._recving_metadata.get(request_id)
-                    if meta is not None and meta.remote is not None:
-                        self._forget_remote_engine(meta.remote.engine_id)
+                    retained.append(handle)
+            if retained:
+                transfers[request_id] = retained
+                continue
             del transfers[request_id]
             self._reads_posted_at.pop(request_id, None)
             self._lease_deadlines.pop(request_id, None)

@@ -32,6 +32,13 @@ class LeaseChecks:
 
     #: kv_connector_extra_config "lease_margin_s" (set by the worker's __init__)
     _lease_margin_s: float = lease.DEFAULT_MARGIN_S
+    #: kv_connector_extra_config "read_timeout_s" (set by the worker's __init__)
+    _read_timeout_s: float | None = lease.DEFAULT_READ_TIMEOUT_S
+
+    @functools.cached_property
+    def _reads_posted_at(self) -> dict[str, float]:
+        """{request id: time.perf_counter() when its first read was posted}"""
+        return {}
 
     def _send_heartbeats(self, metadata) -> None:
         """vLLM 0.33.0 ``_send_heartbeats``, noting when each was posted.
@@ -117,12 +124,29 @@ class LeaseChecks:
             self._forget_lease_of(meta)
             return
         super()._read_blocks_for_req(req_id, meta)
+        if self._recving_transfers.get(req_id):
+            self._reads_posted_at.setdefault(req_id, time.perf_counter())
 
     def _pop_done_transfers(self, transfers):
-        """vLLM 0.33.0 ``_pop_done_transfers``; a read that finished within
-        ``lease_margin_s`` of the lease's end counts as failed (its request's
-        metadata is still there at this point of ``get_transfer_results``)."""
+        """vLLM 0.33.0 ``_pop_done_transfers``, after giving up reads in flight
+        too long; a read that finished within ``lease_margin_s`` of the
+        lease's end counts as failed (its request's metadata is still there
+        at this point of ``get_transfer_results``).
+
+        Why: upstream waits for a posted read for ever, and prefill's lease
+        keeps being extended by the heartbeats decode posts while it waits,
+        so a prefill host gone without a reset leaves the request in flight
+        for as long as UCX keeps the connection. What changes: a read still
+        in flight at the lease margin or ``read_timeout_s`` after it was
+        posted (``lease.abandon_read``) fails as upstream fails a transfer
+        (``_handle_failed_transfer``: the engine marked failed, each handle
+        released or, where NIXL cannot release it, kept with its blocks).
+        Remove when: upstream bounds a read's time.
+        """
+        abandoned_done, abandoned_failed = self._abandon_overdue_reads(transfers)
         done, failed = super()._pop_done_transfers(transfers)
+        done |= abandoned_done
+        failed |= abandoned_failed
         now = time.perf_counter()
         for request_id in done:
             meta = self._recving_metadata.get(request_id)
@@ -132,6 +156,38 @@ class LeaseChecks:
                 failed.add(request_id)
         for request_id in done | failed:
             self._forget_lease_of(self._recving_metadata.get(request_id))
+        for request_id in done:
+            self._reads_posted_at.pop(request_id, None)
+        return done, failed
+
+    def _abandon_overdue_reads(self, transfers) -> tuple[set[str], set[str]]:
+        now = time.perf_counter()
+        done: set[str] = set()
+        failed: set[str] = set()
+        for request_id, handles in list(transfers.items()):
+            meta = self._recving_metadata.get(request_id)
+            posted_at = self._reads_posted_at.get(request_id)
+            in_flight_s = None if posted_at is None else now - posted_at
+            reason = lease.abandon_read(
+                self._lease_end(meta) if meta is not None else None,
+                now,
+                self._lease_margin_s,
+                in_flight_s,
+                self._read_timeout_s,
+            )
+            if reason is None:
+                continue
+            logger.error(lease.READ_ABANDONED, request_id, in_flight_s or 0.0, reason)
+            retained = [
+                handle
+                for handle in handles
+                if not self._handle_failed_transfer(request_id, handle, failed)
+            ]
+            if retained:  # upstream's rule: a handle it could not release is kept
+                transfers[request_id] = retained
+            else:
+                del transfers[request_id]
+                done.add(request_id)
         return done, failed
 
     def _forget_lease_of(self, meta) -> None:

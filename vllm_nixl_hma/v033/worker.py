@@ -32,6 +32,9 @@ keeps the constructor:
 * ``_read_blocks``: block lists that cannot be paired fail that one request
   (reported in ``failed_recving``) instead of raising out of
   ``start_load_kv``: upstream's pairing asserts run before its ``try``.
+* ``_pop_done_transfers``: a read still in flight at the lease margin or
+  ``read_timeout_s`` after it was posted fails as a failed transfer does;
+  upstream waits for ever (heartbeats keep extending prefill's lease).
 * ``_send_heartbeats``, ``_read_blocks_for_req``, ``_pop_done_transfers``:
   the prefill lease (``lease``). Prefill's glue exports its deadline; decode
   maps it onto its clock with upstream's handshake clock offset, extends it
@@ -124,6 +127,9 @@ class NixlHMAConnectorWorker(PeerChecks, ReadPath, LeaseChecks, NixlPullConnecto
             self, contract.worker_state, NixlPullConnectorWorker, "its constructor"
         )
         self._lease_margin_s = lease.configured_margin_s(
+            self.kv_transfer_config.kv_connector_extra_config
+        )
+        self._read_timeout_s = lease.configured_read_timeout_s(
             self.kv_transfer_config.kv_connector_extra_config
         )
         if not self._has_mamba:

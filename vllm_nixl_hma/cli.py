@@ -423,13 +423,16 @@ def render_hosts(report: dict) -> list[str]:
     during the P/D prompts against the KV bytes decode's NIXL read."""
     if not report.get("hosts"):
         return []
-    lines = ["hosts: " + ", ".join(f"{n} {h['address']}" for n, h in report["hosts"].items())]
+    lines = [
+        "hosts (control, data address): "
+        + ", ".join(f"{n} {h['address']} {h['data_address']}" for n, h in report["hosts"].items())
+    ]
     link = report.get("link") or {}
     grown = link.get("bytes_during_prompts")
     if grown:
         kv = link.get("kv_bytes_read")
         lines.append(
-            f"links {link['rate']}, during the P/D prompts: prefill sent "
+            f"links {link['rate']}, data network during the P/D prompts: prefill sent "
             f"{grown['prefill']['tx_bytes']} B, decode received {grown['decode']['rx_bytes']} B; "
             f"decode's NIXL read {'unknown' if kv is None else kv} B of KV"
         )

@@ -68,7 +68,8 @@ def test_ours_heterogeneous_hybrid_across_hosts_matches_one_engine_and_fails_clo
     complete, a lease that ran out (once took the fail-policy decode engine
     down), block lists that cannot be paired, the prefill host's link
     unplugged (before ``read_timeout_s`` the fail-policy request hung for
-    good), prefill killed before decode reads. Its MoE layer runs this
+    good), its data link alone unplugged while its side channel answers,
+    prefill killed before decode reads. Its MoE layer runs this
     host's own path."""
     report, log = e2e(tmp_path, p_tp=2, d_tp=1, faults=ALL_FAULTS, separate_hosts=True)
     assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
@@ -98,6 +99,7 @@ def assert_kv_crossed_the_link(report, log):
     assert set(report["hosts"]) == {"router", "ref", "prefill", "decode", "decoderc"}, log
     for host in report["hosts"].values():
         assert f'"{host["address"]}"' not in root_addresses, (host, log)
+        assert f'"{host["data_address"]}"' not in root_addresses, (host, log)
     link = report["link"]
     kv = link["kv_bytes_read"]
     assert kv and kv > 100_000, log  # every prompt's attention KV and Mamba state

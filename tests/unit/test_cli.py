@@ -56,3 +56,48 @@ def test_e2e_refuses_a_link_rate_tc_cannot_read(tmp_path, capfd):
     argv = ["e2e", "--separate-hosts", "--link-rate", "fast", "--model", str(tmp_path)]
     assert main(argv) == ExitCode.USAGE_ERROR
     assert "link rate 'fast'" in capfd.readouterr().err
+
+
+def test_the_e2e_table_shows_the_hosts_and_what_crossed_the_data_links():
+    from vllm_nixl_hma.cli import render_e2e
+
+    grown = {"tx_bytes": 10, "rx_bytes": 20}
+    report = {
+        "model": "hybrid",
+        "connector": "NixlHMAConnector",
+        "p_tp": 2,
+        "d_tp": 1,
+        "remote_ratio": 8,
+        "local_ratio": 16,
+        "prompts": [],
+        "faults": [],
+        "hosts": {
+            "prefill": {
+                "namespace": "vnh1-prefill",
+                "address": "10.1.1.3",
+                "data_address": "10.51.1.3",
+            },
+            "decode": {
+                "namespace": "vnh1-decode",
+                "address": "10.1.1.4",
+                "data_address": "10.51.1.4",
+            },
+        },
+        "link": {
+            "rate": "10gbit",
+            "bytes_during_prompts": {
+                "prefill": {"tx_bytes": 2500451, "rx_bytes": 1},
+                "decode": {**grown, "rx_bytes": 2502122},
+            },
+            "kv_bytes_read": 2367488,
+        },
+    }
+    lines = render_e2e(report).splitlines()
+    assert (
+        lines[1]
+        == "hosts (control, data address): prefill 10.1.1.3 10.51.1.3, decode 10.1.1.4 10.51.1.4"
+    )
+    assert lines[2] == (
+        "links 10gbit, data network during the P/D prompts: prefill sent 2500451 B, decode "
+        "received 2502122 B; decode's NIXL read 2367488 B of KV"
+    )

@@ -53,10 +53,11 @@ def ours() -> set[str]:
 
 
 @contextlib.contextmanager
-def serving(host: netns.Host):
-    """SERVER listening in ``host``'s namespace until the block ends; yields its process."""
+def serving(host: netns.Host, address: str | None = None):
+    """SERVER listening in ``host``'s namespace (on ``address``, by default its
+    data address) until the block ends; yields its process."""
     server = subprocess.Popen(
-        host.command([sys.executable, "-c", SERVER, host.address]),
+        host.command([sys.executable, "-c", SERVER, address or host.address]),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -222,3 +223,38 @@ def test_entering_a_namespace_that_does_not_exist_leaves_the_thread_where_it_was
     with pytest.raises(FileNotFoundError), netns.entered(f"{netns.NAME_PREFIX}0-absent"):
         pass
     assert os.readlink("/proc/thread-self/ns/net") == before
+
+
+def send(from_host: netns.Host, to_address: str, size: int, timeout_s: int) -> int:
+    """CLIENT's exit code, sending ``size`` bytes from ``from_host``."""
+    client = CLIENT.replace("timeout=10", f"timeout={timeout_s}")
+    return subprocess.run(
+        from_host.command([sys.executable, "-c", client, to_address, str(size)]),
+        capture_output=True,
+        timeout=60,
+    ).returncode
+
+
+def test_with_the_data_link_unplugged_the_control_network_still_answers():
+    """``prefill-data-path-cut``: a host's data link down, its control
+    address (HTTP, side channel) still reached; both networks exist only in
+    the namespaces."""
+    with netns.Topology(["prefill0", "decode0"], link_rate="200mbit") as topology:
+        prefill, decode = topology.hosts["prefill0"], topology.hosts["decode0"]
+        assert prefill.control_address not in (prefill.address, decode.control_address)
+        assert prefill.control_address not in root_addresses()
+        topology.set_link("prefill0", up=False, networks=("data",))
+        with serving(prefill, prefill.control_address) as server:
+            assert send(decode, prefill.control_address, 1000, 10) == 0
+            assert int(server.stdout.readline()) == 1000
+        with serving(prefill) as server:
+            assert send(decode, prefill.address, 1000, 2) != 0
+        topology.set_link("prefill0", up=True, networks=("data",))
+        with serving(prefill) as server:
+            assert send(decode, prefill.address, 1000, 10) == 0
+            assert int(server.stdout.readline()) == 1000
+        # unplugged on both networks, the host is gone
+        topology.set_link("prefill0", up=False)
+        with serving(prefill, prefill.control_address):
+            assert send(decode, prefill.control_address, 1, 2) != 0
+    assert ours() == set()

@@ -20,6 +20,10 @@ the hosts:
 * ``prefill-host-gone``: after prefill answered, its host's link is unplugged
   at the switch (no RST, no FIN: the host is simply gone) and stays unplugged
   until both decode engines have answered and served their next request.
+* ``prefill-data-path-cut``: the same with the prefill host's data link alone
+  (the network UCX moves the KV over): its side channel and HTTP still
+  answer, so a decode engine that handshakes afresh loads prefill's agent
+  and then cannot read.
 
 A read that finishes after the lease cannot be arranged through engines on
 one host (loopback reads finish within a step); the check harness injects it
@@ -55,7 +59,7 @@ __all__ = [
 
 FAULTS = ("side-channel-unreachable", "lease-expired", "unpairable-block-lists", "prefill-killed")
 #: faults of the link between hosts: ``e2e --separate-hosts`` only
-NETWORK_FAULTS = ("prefill-host-gone",)
+NETWORK_FAULTS = ("prefill-host-gone", "prefill-data-path-cut")
 #: the order faults run in (prefill-killed last: it kills prefill)
 ALL_FAULTS = (*FAULTS[:-1], *NETWORK_FAULTS, FAULTS[-1])
 POLICIES = ("fail", "recompute")

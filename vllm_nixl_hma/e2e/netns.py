@@ -1,13 +1,16 @@
 """Separate hosts on one machine: network namespaces joined by rate-limited veth links (#23).
 
-Each host is a network namespace this run creates, with one interface
-(``eth0``) holding the host's address. The hosts meet in one more namespace,
-the switch, where the other end of every host's veth pair is a port of a
-bridge; no end of any link and no address lives in the root namespace, and no
-namespace has a default route, so nothing the hosts send can leave them. Every
-host's ``eth0`` and every switch port has a token-bucket shaper (tc ``tbf``)
-at the link rate, so the link between any two hosts is rate limited in both
-directions.
+Each host is a network namespace this run creates, with two interfaces on two
+networks, as hosts with a data fabric and a management network have:
+``eth0`` holds the host's data address (``address``: what UCX moves the KV
+over) and ``eth1`` its control address (``control_address``: HTTP and the
+NIXL side channel). The hosts meet in one more namespace, the switch, where
+the other end of every host's veth pair is a port of one bridge per network;
+no end of any link and no address lives in the root namespace, and no
+namespace has a default route, so nothing the hosts send can leave them.
+Every host interface and every switch port has a token-bucket shaper (tc
+``tbf``) at the link rate, so the link between any two hosts is rate limited
+in both directions.
 
 Everything is made with ``ip`` and ``tc`` (iproute2) and removed on every
 exit: ``Topology`` is a context manager, its namespaces are also removed at
@@ -160,6 +163,10 @@ class Host:
     #: the host's port on the switch (the other end of its veth pair)
     switch_port: str
     interface: str = "eth0"
+    #: on the control network (HTTP, side channel): address, switch port, interface
+    control_address: str = ""
+    control_port: str = ""
+    control_interface: str = "eth1"
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host's namespace."""
@@ -196,7 +203,14 @@ class Topology:
         addresses = list(network.hosts())
         if len(host_names) > len(addresses):
             raise ValueError(f"subnet {network} has room for {len(addresses)} hosts")
+        # the control network: the data network's /24 moved 50 up in the second octet
+        octets = str(network.network_address).split(".")
+        control = ipaddress.ip_network(
+            f"{octets[0]}.{(int(octets[1]) - 50) % 256}.{octets[2]}.0/{network.prefixlen}"
+        )
+        control_addresses = list(control.hosts())
         self.network = network
+        self.control_network = control
         self.switch_namespace = f"{tag}-switch"
         self.hosts: dict[str, Host] = {
             name: Host(
@@ -204,6 +218,8 @@ class Topology:
                 namespace=f"{tag}-{name}",
                 address=str(addresses[index]),
                 switch_port=f"p{index}",
+                control_address=str(control_addresses[index]),
+                control_port=f"c{index}",
             )
             for index, name in enumerate(host_names)
         }
@@ -255,27 +271,37 @@ class Topology:
 
     def _create(self) -> None:
         self._add_namespace(self.switch_namespace)
-        _run("ip", "link", "add", "br0", "type", "bridge", namespace=self.switch_namespace)
-        _run("ip", "link", "set", "br0", "up", namespace=self.switch_namespace)
+        for bridge in ("br0", "br1"):  # data, control
+            _run("ip", "link", "add", bridge, "type", "bridge", namespace=self.switch_namespace)
+            _run("ip", "link", "set", bridge, "up", namespace=self.switch_namespace)
         for host in self.hosts.values():
             self._add_namespace(host.namespace)
-            # both ends are made inside the switch namespace, then one is moved:
-            # no link ever exists in the root namespace
-            _run(
-                "ip", "link", "add", host.switch_port, "type", "veth",
-                "peer", "name", host.interface, "netns", host.namespace,
-                namespace=self.switch_namespace,
-            )  # fmt: skip
-            _run("ip", "link", "set", host.switch_port, "master", "br0",
-                 namespace=self.switch_namespace)  # fmt: skip
-            _run("ip", "link", "set", host.switch_port, "up", namespace=self.switch_namespace)
-            _run(
-                "ip", "addr", "add", f"{host.address}/{self.network.prefixlen}",
-                "dev", host.interface, namespace=host.namespace,
-            )  # fmt: skip
-            _run("ip", "link", "set", host.interface, "up", namespace=host.namespace)
-            self._shape(host.namespace, host.interface)
-            self._shape(self.switch_namespace, host.switch_port)
+            for port, interface, address, network, bridge in (
+                (host.switch_port, host.interface, host.address, self.network, "br0"),
+                (
+                    host.control_port,
+                    host.control_interface,
+                    host.control_address,
+                    self.control_network,
+                    "br1",
+                ),
+            ):
+                self._plug(host, port, interface, f"{address}/{network.prefixlen}", bridge)
+
+    def _plug(self, host: Host, port: str, interface: str, address: str, bridge: str) -> None:
+        # both ends are made inside the switch namespace, then one is moved:
+        # no link ever exists in the root namespace
+        _run(
+            "ip", "link", "add", port, "type", "veth",
+            "peer", "name", interface, "netns", host.namespace,
+            namespace=self.switch_namespace,
+        )  # fmt: skip
+        _run("ip", "link", "set", port, "master", bridge, namespace=self.switch_namespace)
+        _run("ip", "link", "set", port, "up", namespace=self.switch_namespace)
+        _run("ip", "addr", "add", address, "dev", interface, namespace=host.namespace)
+        _run("ip", "link", "set", interface, "up", namespace=host.namespace)
+        self._shape(host.namespace, interface)
+        self._shape(self.switch_namespace, port)
 
     def remove(self) -> None:
         """Remove every namespace this topology made (their links go with
@@ -297,18 +323,25 @@ class Topology:
 
     # ------------------------------------------------------------ what a run uses
 
-    def set_link(self, host_name: str, up: bool) -> None:
-        """Take a host's link down (unplug it at the switch) or up again."""
+    def set_link(
+        self, host_name: str, up: bool, networks: Sequence[str] = ("data", "control")
+    ) -> None:
+        """Take a host's links down (unplug them at the switch) or up again:
+        on both networks (the host is gone), or on ``("data",)`` alone (its
+        side channel and HTTP still answer, nothing reaches its KV)."""
         host = self.hosts[host_name]
-        _run("ip", "link", "set", host.switch_port, "up" if up else "down",
-             namespace=self.switch_namespace)  # fmt: skip
+        ports = {"data": host.switch_port, "control": host.control_port}
+        for network in networks:
+            _run("ip", "link", "set", ports[network], "up" if up else "down",
+                 namespace=self.switch_namespace)  # fmt: skip
 
-    def counters(self, host_name: str) -> dict[str, int]:
-        """Bytes the host's interface sent and received so far."""
+    def counters(self, host_name: str, network: str = "data") -> dict[str, int]:
+        """Bytes the host's interface on ``network`` sent and received so far."""
         host = self.hosts[host_name]
+        interface = host.interface if network == "data" else host.control_interface
         stats = {}
         for direction in ("tx_bytes", "rx_bytes"):
-            path = f"/sys/class/net/{host.interface}/statistics/{direction}"
+            path = f"/sys/class/net/{interface}/statistics/{direction}"
             stats[direction] = int(_run("cat", path, namespace=host.namespace).strip())
         return stats
 

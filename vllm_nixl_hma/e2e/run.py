@@ -54,7 +54,7 @@ KERNEL_BLOCK_TOKENS = 16
 E2E_SIDE_CHANNEL_TIMEOUT_S = 15.0
 #: how long ours lets a read stay in flight in e2e (``read_timeout_s``): a vanished
 #: prefill host's read is given up well inside the request timeout
-E2E_READ_TIMEOUT_S = 30.0
+E2E_READ_TIMEOUT_S = 20.0
 #: the chat prompt's length in tokens (the tiny models' tokenizer has a word per token)
 CHAT_PROMPT_TOKENS = 300
 #: the embedded models ship no chat template: the messages' text, as it is
@@ -193,13 +193,14 @@ class Placement:
         if self.topology is None:
             return {"host": "127.0.0.1", "namespace": None}
         host = self.topology.hosts[HOST_OF_ENGINE[name]]
-        return {"host": host.address, "namespace": host.namespace}
+        # HTTP and the side channel on the control network; UCX on eth0, the data one
+        return {"host": host.control_address, "namespace": host.namespace}
 
     @property
     def router_address(self) -> str:
         if self.topology is None:
             return "127.0.0.1"
-        return self.topology.hosts[ROUTER_HOST].address
+        return self.topology.hosts[ROUTER_HOST].control_address
 
 
 def run_e2e(
@@ -248,13 +249,19 @@ def run_e2e(
                 return report
             placement = Placement(topology)
             report["hosts"] = {
-                name: {"namespace": host.namespace, "address": host.address}
+                name: {
+                    "namespace": host.namespace,
+                    "address": host.control_address,
+                    "data_address": host.address,
+                }
                 for name, host in topology.hosts.items()
             }
             report["link"] = {"rate": options.link_rate, "rate_bits": topology.link_rate_bits}
             progress(
-                f"hosts on a {options.link_rate} switch: "
-                + ", ".join(f"{n} {h.address}" for n, h in topology.hosts.items())
+                f"hosts on {options.link_rate} links (control network, data network): "
+                + ", ".join(
+                    f"{n} {h.control_address} {h.address}" for n, h in topology.hosts.items()
+                )
             )
             # this thread (its HTTP requests, the router it starts) on the router's host
             stack.enter_context(netns.entered(topology.hosts[ROUTER_HOST].namespace))
@@ -514,18 +521,23 @@ def _faults(prefill, decode_by_policy, expected, options, progress, placement: P
     return results
 
 
+#: the networks each network fault unplugs the prefill host from
+_UNPLUGGED = {"prefill-host-gone": ("data", "control"), "prefill-data-path-cut": ("data",)}
+
+
 @contextlib.contextmanager
 def _network_fault(name: str, placement: Placement):
     """The network as fault ``name`` leaves it, for the block's length."""
-    if name != "prefill-host-gone":
+    networks = _UNPLUGGED.get(name)
+    if networks is None:
         yield
         return
-    placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=False)
+    placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=False, networks=networks)
     try:
         yield
     finally:
         # back only for the faults after this one, which need a prefill engine
-        placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=True)
+        placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=True, networks=networks)
 
 
 def _fault_cells(

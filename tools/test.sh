@@ -12,6 +12,11 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 export HF_HUB_OFFLINE=1 UCX_NET_DEVICES=lo
+# vLLM 0.33 imports humming-kernels, which starts two background builds of its
+# CUDA launcher in every process that imports it (about 9 s of CPU each time,
+# and they fail on a host without CUDA); the v033 part starts dozens of such
+# processes on 2 cores
+export HUMMING_DISABLE_PARALLEL_BUILD=1
 
 timings=()
 part() {  # part NAME COMMAND...: run one part of the suite, note its time

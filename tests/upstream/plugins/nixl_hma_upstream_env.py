@@ -5,6 +5,12 @@ vLLM's ``dist_init`` fixture asks for NCCL, which a CPU build of torch lacks:
 ``init_distributed_environment`` is wrapped to use gloo instead. The offline
 model configs come through ``HF_HUB_CACHE`` (set by the runner). Each
 test's outcome goes to ``$NIXL_HMA_UPSTREAM_REPORT``.
+
+Two selections for the runner: ``$NIXL_HMA_UPSTREAM_SHARD`` = ``K/N`` keeps
+the collected tests whose index is K modulo N (the runner runs ours in N
+children at once), and ``$NIXL_HMA_UPSTREAM_ONLY`` names a JSON list of node
+ids to run (stock runs only what did not pass on ours); every other collected
+test is reported as ``not selected``, so the runner sees what was there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,26 @@ vllm.distributed.init_distributed_environment = init_distributed_environment
 # Each test's outcome, by node id, for the runner (tests/upstream): JSON at
 # $NIXL_HMA_UPSTREAM_REPORT. A test failed if any of its phases failed.
 _outcomes: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = os.environ.get("NIXL_HMA_UPSTREAM_SHARD")
+    only_path = os.environ.get("NIXL_HMA_UPSTREAM_ONLY")
+    keep = list(items)
+    if shard:
+        index, count = (int(part) for part in shard.split("/"))
+        keep = keep[index::count]
+    if only_path:
+        with open(only_path) as listed:
+            only = set(json.load(listed))
+        keep = [item for item in keep if item.nodeid in only]
+        for item in items:
+            if item.nodeid not in only:
+                _outcomes[item.nodeid] = "not selected"
+    if len(keep) != len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+        items[:] = keep
 
 
 def pytest_runtest_logreport(report):

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--faults",
         action="store_true",
         help="also break transfers (prefill killed, side channel unreachable, lease ended, "
-        "block lists cut; with --separate-hosts also the prefill host's link unplugged) "
+        "block lists cut; with --separate-hosts also the prefill host's data link down for "
+        "a few seconds, the prefill host unplugged, its data link alone unplugged) "
         "under kv_load_failure_policy fail and recompute",
     )
     e2e.add_argument(
@@ -375,7 +376,8 @@ FAULT_E2E_COLUMNS = (
     ("fault", 24, lambda f: f["name"]),
     ("policy", 9, lambda f: f["policy"]),
     ("HTTP", 4, lambda f: f["http_status"]),
-    ("outcome", 12, lambda f: f["outcome"] or "-"),
+    ("outcome", 16, lambda f: f["outcome"] or "-"),
+    ("s", 5, lambda f: f.get("elapsed_s", "-")),
     ("next request", 12, lambda f: "right" if f["next_request_ok"] else "WRONG"),
     ("ok", 3, lambda f: "yes" if f["ok"] else "NO"),
 )

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from vllm_nixl_hma.e2e.faults import FAULTS, NETWORK_FAULTS, POLICIES
+from vllm_nixl_hma.e2e.faults import ALL_FAULTS, FAULTS, LINK_FLAP_S, POLICIES
 from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
 
 pytestmark = pytest.mark.e2e
@@ -25,6 +25,8 @@ def e2e(tmp_path, **options):
 
     lines: list[str] = []
     report = run_e2e(E2EOptions(**options), tmp_path, lines.append)
+    # beside the engines' logs, for whoever reads a failed run
+    (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     return report, "\n".join(lines) + "\n" + json.dumps(report, indent=1)
 
 
@@ -36,17 +38,30 @@ def assert_every_prompt_matches(report, log):
         assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
 
 
+#: a link that comes back may let the read finish whole: the reference tokens
+#: are right then under ``fail`` too (an error still is)
+MAY_ARRIVE_WHOLE = {"prefill-link-flap"}
+
+
 def assert_every_fault_fails_closed(report, log, faults=FAULTS):
     """Every fault under both policies: an error under ``fail``, the
     reference's tokens under ``recompute``, never HTTP 200 with other tokens;
-    then the same decode engine answers the next request right."""
+    then the same decode engine answers the next request right. A flap must
+    have hit the read: an answer with the KV waited for the link to return."""
     assert {(f["name"], f["policy"]) for f in report["faults"]} == {
         (name, policy) for name in faults for policy in POLICIES
     }, log
     for fault in report["faults"]:
         assert fault["outcome"] != "wrong tokens", (fault, log)
-        expected = "error" if fault["policy"] == "fail" else "recomputed"
-        assert fault["outcome"] == expected, (fault, log)
+        if fault["policy"] == "recompute":
+            expected = {"reference tokens"}
+        elif fault["name"] in MAY_ARRIVE_WHOLE:
+            expected = {"error", "reference tokens"}
+        else:
+            expected = {"error"}
+        assert fault["outcome"] in expected, (fault, log)
+        if fault["name"] == "prefill-link-flap" and fault["outcome"] == "reference tokens":
+            assert fault["elapsed_s"] >= LINK_FLAP_S - 1.0, (fault, log)
         assert fault["next_request_ok"], (fault, log)
         assert fault["ok"], (fault, log)
 
@@ -78,18 +93,26 @@ def test_ours_heterogeneous_hybrid_across_hosts_matches_one_engine_and_fails_clo
     assert not [name for name in namespaces() if name.startswith(f"vnh{os.getpid()}-")]
 
 
-def test_ours_dense_across_hosts_fails_closed_when_the_network_fails(tmp_path):
-    """The network's faults, under both policies: the prefill host unplugged
-    after prefill answered (before ``read_timeout_s`` the fail-policy request
-    hung for good), then its data link alone unplugged while its side
-    channel answers. Dense 1 -> 1 keeps the run short; the hybrid passed the
-    same cells by hand (docs/measurements.md)."""
+def test_ours_dense_across_hosts_matches_one_engine_and_fails_closed_on_every_fault(tmp_path):
+    """Dense Llama, 1 -> 1, without HMA (vLLM 0.21.0 turns it off for a model
+    without Mamba layers when a connector is configured), every engine on a
+    host of its own: every prompt, then every fault under both policies, the
+    transfer's (before issue #21's fix the lease refusal answered HTTP 200
+    with tokens computed on blocks nobody filled) and the network's:
+    prefill's data link down for a few seconds while decode reads, the
+    prefill host unplugged after prefill answered (before ``read_timeout_s``
+    the fail-policy request hung for good), its data link alone unplugged
+    while its side channel answers; prefill killed last. One set of engines
+    for all of them keeps CI short; the hybrid runs the transfer faults
+    across hosts too, and passed the network ones by hand
+    (docs/measurements.md)."""
     report, log = e2e(
-        tmp_path, model="dense", p_tp=1, d_tp=1, faults=NETWORK_FAULTS, separate_hosts=True
+        tmp_path, model="dense", p_tp=1, d_tp=1, faults=ALL_FAULTS, separate_hosts=True
     )
     assert_every_prompt_matches(report, log)
     assert_kv_crossed_the_link(report, log)
-    assert_every_fault_fails_closed(report, log, NETWORK_FAULTS)
+    assert_every_fault_fails_closed(report, log, ALL_FAULTS)
+    assert_no_callback_raised(tmp_path)
     assert report["ok"]
 
 
@@ -153,18 +176,6 @@ def stock_first_handshake_went_unanswered(workdir) -> bool:
     decode_log = Path(workdir) / "decode.log"
     text = decode_log.read_text(errors="replace") if decode_log.exists() else ""
     return "handshake_setup_failed" in text and "zmq.error.Again" in text
-
-
-def test_ours_dense_matches_one_engine_and_fails_closed(tmp_path):
-    """Dense Llama, 1 -> 1, without HMA (vLLM 0.21.0 turns it off for a model
-    without Mamba layers when a connector is configured): every prompt, then
-    every fault under both policies. Before issue #21's fix the lease refusal
-    answered HTTP 200 with tokens computed on blocks nobody filled."""
-    report, log = e2e(tmp_path, model="dense", p_tp=1, d_tp=1, faults=FAULTS)
-    assert_every_prompt_matches(report, log)
-    assert_every_fault_fails_closed(report, log)
-    assert_no_callback_raised(tmp_path)
-    assert report["ok"]
 
 
 def test_ours_sliding_window_matches_one_engine_and_fails_closed(tmp_path):

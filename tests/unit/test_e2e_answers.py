@@ -97,3 +97,25 @@ def test_the_chat_text_is_the_prompt_token_for_token():
     body = run.chat(ids)
     text = jinja2.Template(body["chat_template"]).render(messages=body["messages"])
     assert word_tokenizer()(text, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_a_fault_verdict_never_accepts_other_tokens_and_a_flap_may_deliver():
+    from vllm_nixl_hma.e2e import faults
+    from vllm_nixl_hma.e2e.servers import HTTPResult
+
+    def judged(name, policy, status, tokens):
+        result = faults.FaultResult(name, policy)
+        faults.verdict(result, HTTPResult(status=status, body={}, error=None), [1, 2], tokens)
+        return result.outcome, result.ok
+
+    assert judged("lease-expired", "fail", 500, []) == ("error", True)
+    assert judged("lease-expired", "fail", 200, [1, 2]) == ("reference tokens", False)
+    assert judged("lease-expired", "recompute", 200, [1, 2]) == ("reference tokens", True)
+    assert judged("lease-expired", "recompute", 500, []) == ("error", False)
+    # a flap the read rode through delivered the whole KV: right under fail too
+    assert judged("prefill-link-flap", "fail", 200, [1, 2]) == ("reference tokens", True)
+    assert judged("prefill-link-flap", "fail", 500, []) == ("error", True)
+    for name in faults.ALL_FAULTS:
+        for policy in faults.POLICIES:
+            assert judged(name, policy, 200, [1, 3]) == ("wrong tokens", False)
+            assert judged(name, policy, 0, [])[1] is False

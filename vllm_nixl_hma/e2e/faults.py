@@ -17,6 +17,12 @@ and breaks the transfer before decode reads:
 With ``--separate-hosts`` (``NETWORK_FAULTS``), faults of the network between
 the hosts:
 
+* ``prefill-link-flap``: after prefill answered, the prefill host's data link
+  is unplugged as decode's request goes out and plugged back
+  ``LINK_FLAP_S`` later, while decode's read waits on it (the side channel
+  stays up). A read that rides through the flap delivers the whole KV, so
+  under ``fail`` the reference tokens are right too; an error is right as
+  well. Wrong tokens never are.
 * ``prefill-host-gone``: after prefill answered, its host's link is unplugged
   at the switch (no RST, no FIN: the host is simply gone) and stays unplugged
   until both decode engines have answered and served their next request.
@@ -29,9 +35,10 @@ A read that finishes after the lease cannot be arranged through engines on
 one host (loopback reads finish within a step); the check harness injects it
 (``vllm-nixl-hma check --faults``: ``late-read``).
 
-Under ``fail`` the answer must be an error; under ``recompute`` the reference
-tokens. Never HTTP 200 with other tokens. Then the same decode engine must serve
-the next request correctly (a P/D request while prefill lives, else a plain one).
+Under ``fail`` the answer must be an error (or, after ``prefill-link-flap``,
+the reference tokens); under ``recompute`` the reference tokens. Never HTTP
+200 with other tokens. Then the same decode engine must serve the next request
+correctly (a P/D request while prefill lives, else a plain one).
 """
 
 from __future__ import annotations
@@ -50,16 +57,25 @@ __all__ = [
     "FAULTS",
     "NETWORK_FAULTS",
     "POLICIES",
+    "LINK_FLAP_S",
+    "MAY_DELIVER",
     "FaultResult",
     "broken_params",
     "decode",
     "prefill",
     "verdict",
+    "wanted_outcomes",
 ]
 
 FAULTS = ("side-channel-unreachable", "lease-expired", "unpairable-block-lists", "prefill-killed")
 #: faults of the link between hosts: ``e2e --separate-hosts`` only
-NETWORK_FAULTS = ("prefill-host-gone", "prefill-data-path-cut")
+NETWORK_FAULTS = ("prefill-link-flap", "prefill-host-gone", "prefill-data-path-cut")
+#: how long ``prefill-link-flap`` keeps the data link down, seconds: longer
+#: than TCP's first retransmissions, well under e2e's ``read_timeout_s``
+LINK_FLAP_S = 5.0
+#: faults after which the KV may still arrive whole: the reference tokens are
+#: a right answer under either policy
+MAY_DELIVER = frozenset({"prefill-link-flap"})
 #: the order faults run in (prefill-killed last: it kills prefill)
 ALL_FAULTS = (*FAULTS[:-1], *NETWORK_FAULTS, FAULTS[-1])
 POLICIES = ("fail", "recompute")
@@ -70,7 +86,9 @@ class FaultResult:
     name: str
     policy: str
     http_status: int = 0
-    outcome: str = ""  # "error", "recomputed", "wrong tokens", ...
+    outcome: str = ""  # "error", "reference tokens", "wrong tokens", "no answer"
+    #: seconds decode took to answer the broken request
+    elapsed_s: float = 0.0
     next_request_ok: bool = False
     ok: bool = False
     error: str | None = None
@@ -106,15 +124,23 @@ def verdict(
     """Fill ``outcome`` and ``ok`` from decode's answer to the broken request."""
     result.http_status = answer.status
     if answer.status == 200:
-        result.outcome = "recomputed" if tokens == expected_tokens else "wrong tokens"
+        result.outcome = "reference tokens" if tokens == expected_tokens else "wrong tokens"
     elif answer.status == 0:
         result.outcome = "no answer"
         result.error = answer.error
     else:
         result.outcome = "error"
         result.error = answer.error
-    wanted = "error" if result.policy == "fail" else "recomputed"
-    result.ok = result.outcome == wanted
+    result.ok = result.outcome in wanted_outcomes(result.name, result.policy)
+
+
+def wanted_outcomes(name: str, policy: str) -> frozenset[str]:
+    """The answers fault ``name`` may get under ``policy``: an error under
+    ``fail`` (and the reference tokens where the KV may still arrive whole),
+    the reference tokens under ``recompute``."""
+    if policy == "recompute":
+        return frozenset({"reference tokens"})
+    return frozenset({"error", "reference tokens"} if name in MAY_DELIVER else {"error"})
 
 
 def prefill(prefill_url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:

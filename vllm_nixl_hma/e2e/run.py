@@ -17,6 +17,7 @@ import math
 import random
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -516,7 +517,8 @@ def _faults(prefill, decode_by_policy, expected, options, progress, placement: P
         with _network_fault(name, placement):
             results += _fault_cells(
                 name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t,
-                reachable=prefill.alive() and name not in faults.NETWORK_FAULTS,
+                reachable=prefill.alive() and name not in _UNPLUGGED,
+                placement=placement,
             )  # fmt: skip
     return results
 
@@ -540,12 +542,36 @@ def _network_fault(name: str, placement: Placement):
         placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=True, networks=networks)
 
 
+@contextlib.contextmanager
+def _link_flap(name: str, placement: Placement):
+    """For ``prefill-link-flap``: prefill's data link down for the block's
+    start, up again ``LINK_FLAP_S`` later (or at the block's end, whichever
+    comes first), so that decode's read is under way while it is down."""
+    from vllm_nixl_hma.e2e import faults
+
+    if name != "prefill-link-flap":
+        yield
+        return
+    topology, host = placement.topology, HOST_OF_ENGINE["prefill"]
+    topology.set_link(host, up=False, networks=("data",))
+    plug_back = threading.Timer(
+        faults.LINK_FLAP_S, topology.set_link, (host,), {"up": True, "networks": ("data",)}
+    )
+    plug_back.start()
+    try:
+        yield
+    finally:
+        plug_back.join()  # back before the next cell, also after an early answer
+        topology.set_link(host, up=True, networks=("data",))
+
+
 def _fault_cells(
-    name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t, reachable
-):
+    name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t, reachable,
+    placement,
+):  # fmt: skip
     """Fault ``name``'s cell under each policy: decode's answer to the broken
     request, then the same engine's next request (P/D while prefill is
-    ``reachable``, else a plain one)."""
+    ``reachable`` or the fault is a passing flap, else a plain one)."""
     from vllm_nixl_hma.e2e import faults
 
     results = []
@@ -555,7 +581,10 @@ def _fault_cells(
             result.error = "prefill returned no kv_transfer_params"
             results.append(result)
             continue
-        answer = faults.decode(decode_server.url, name, body, params[policy], dead_port, t)
+        with _link_flap(name, placement):
+            started = time.monotonic()
+            answer = faults.decode(decode_server.url, name, body, params[policy], dead_port, t)
+            result.elapsed_s = round(time.monotonic() - started, 1)
         tokens, _ = _tokens(answer)
         faults.verdict(result, answer, expected_tokens, tokens)
         # the same decode engine, the next request: P/D while prefill lives

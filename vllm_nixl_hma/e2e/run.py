@@ -542,27 +542,33 @@ def _network_fault(name: str, placement: Placement):
         placement.topology.set_link(HOST_OF_ENGINE["prefill"], up=True, networks=networks)
 
 
+#: the networks each flap takes down for ``faults.LINK_FLAP_S`` in each cell
+_FLAPPED = {"prefill-link-flap": ("data",)}
+
+
 @contextlib.contextmanager
 def _link_flap(name: str, placement: Placement):
-    """For ``prefill-link-flap``: prefill's data link down for the block's
-    start, up again ``LINK_FLAP_S`` later (or at the block's end, whichever
-    comes first), so that decode's read is under way while it is down."""
+    """The prefill host's ``_FLAPPED`` networks down as the block starts and
+    up again ``LINK_FLAP_S`` later, from a timer thread, so that decode's
+    read is under way while they are down; the block's end waits for them."""
     from vllm_nixl_hma.e2e import faults
 
-    if name != "prefill-link-flap":
+    networks = _FLAPPED.get(name)
+    if networks is None:
         yield
         return
     topology, host = placement.topology, HOST_OF_ENGINE["prefill"]
-    topology.set_link(host, up=False, networks=("data",))
+    topology.set_link(host, up=False, networks=networks)
     plug_back = threading.Timer(
-        faults.LINK_FLAP_S, topology.set_link, (host,), {"up": True, "networks": ("data",)}
+        faults.LINK_FLAP_S, topology.set_link, (host,), {"up": True, "networks": networks}
     )
     plug_back.start()
     try:
         yield
     finally:
         plug_back.join()  # back before the next cell, also after an early answer
-        topology.set_link(host, up=True, networks=("data",))
+        # (again, should the timer's call have failed: the next cells need the link)
+        topology.set_link(host, up=True, networks=networks)
 
 
 def _fault_cells(
@@ -570,8 +576,8 @@ def _fault_cells(
     placement,
 ):  # fmt: skip
     """Fault ``name``'s cell under each policy: decode's answer to the broken
-    request, then the same engine's next request (P/D while prefill is
-    ``reachable`` or the fault is a passing flap, else a plain one)."""
+    request (a flap's cell inside ``_link_flap``), then the same engine's next
+    request (P/D while prefill is ``reachable``, else a plain one)."""
     from vllm_nixl_hma.e2e import faults
 
     results = []

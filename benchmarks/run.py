@@ -50,11 +50,18 @@ vLLM's step thread spends in the ``start_load_kv`` calls that post the reads
 post to the last completion; raw NIXL and memcpy move the same bytes with one
 descriptor. Medians of the repeats, after one warm-up batch that also does
 the handshake. JSON key ``harness``.
+
+Link (``--only link [--link-rate 10gbit ...]``, as root): one request of
+70 MiB and more from a prefill host to a decode host across a rate-limited
+link (network namespaces, as ``e2e --separate-hosts`` builds them): ours,
+stock, raw NIXL and one TCP stream side by side against the link's rate;
+``benchmarks/link.py`` says how. JSON key ``link``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -615,6 +622,7 @@ BENCHMARKS = {
     "transfer": (transfer_rows, "transfer (GB/s)"),
     "harness": (harness_rows, "harness (real engines, P TP 1 -> D TP 1, per batch)"),
     "nixl_merge": (nixl_merge_rows, "NIXL merge (raw NIXL, 1201 logical blocks per read)"),
+    "link": (None, "link (one request across a rate-limited link between two hosts, GB/s)"),
 }
 
 
@@ -626,7 +634,13 @@ def main(argv=None) -> int:
         "--only",
         choices=tuple(BENCHMARKS),
         help="run one benchmark (default: read_path and transfer on vLLM 0.21.0, "
-        "harness and nixl_merge on 0.33)",
+        "harness and nixl_merge on 0.33; link only when asked for: it needs root)",
+    )
+    parser.add_argument(
+        "--link-rate",
+        action="append",
+        help="link: a rate of the link between the hosts, as tc reads it (repeatable; "
+        "default 10gbit and 1gbit)",
     )
     args = parser.parse_args(argv)
     from vllm_nixl_hma import _compat
@@ -645,6 +659,11 @@ def main(argv=None) -> int:
 
     result: dict = {"machine": machine(), "vllm": _compat.installed_vllm_version()}
     for name, (rows_of, title) in BENCHMARKS.items():
+        if name in wanted and name == "link":
+            import link  # benchmarks/link.py
+
+            rates = tuple(args.link_rate or link.DEFAULT_LINK_RATES)
+            rows_of = functools.partial(link.link_rows, rates=rates)
         if name in wanted:
             result[name] = rows_of(args.quick, progress)
             print_table(title, result[name])

@@ -41,6 +41,7 @@ __all__ = [
     "Host",
     "NetworkNamespacesUnavailable",
     "Topology",
+    "enter",
     "entered",
     "parse_rate_bits",
     "remove_stale",
@@ -131,6 +132,18 @@ def _setns(fd: int) -> None:
         raise OSError(errno, f"setns: {os.strerror(errno)}")
 
 
+def enter(namespace: str) -> None:
+    """Move the calling thread into network namespace ``namespace`` for good:
+    for a process's first step, before it opens a socket or starts a thread
+    (threads it starts afterwards are born there too). ``OSError`` if the
+    namespace does not exist or cannot be entered."""
+    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        _setns(target)
+    finally:
+        os.close(target)
+
+
 @contextlib.contextmanager
 def entered(namespace: str) -> Iterator[None]:
     """The calling thread in network namespace ``namespace`` (made by ``ip
@@ -140,11 +153,7 @@ def entered(namespace: str) -> Iterator[None]:
     processes started from other threads, are not moved."""
     original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
-        target = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
-        try:
-            _setns(target)
-        finally:
-            os.close(target)
+        enter(namespace)
         try:
             yield
         finally:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_nixl_hma.core import lease
-from vllm_nixl_hma.harness.rank import rank_main
+from vllm_nixl_hma.harness.rank import NETNS_ENV, rank_main
 
 COMMAND_TIMEOUT_S = 300.0
 #: how a rank's refusal of the model's cache starts (harness.layout.UnsupportedArchitecture)
@@ -73,6 +73,10 @@ class Scenario:
         if self.name == "long":
             # big enough that reads over TCP take a few hundred milliseconds
             return [1200 * larger + 7, 1200 * larger + 11, 1200 * larger + 13]
+        if self.name == "one-long":
+            # one request as long as the three of "long" together (the size a
+            # link benchmark needs: 70 MiB and more on the embedded layouts)
+            return [3600 * larger + 7]
         if self.name == "boundary":
             both = math.lcm(prefill_block_tokens, decode_block_tokens)
             return [
@@ -116,6 +120,10 @@ class Cell:
     # after the scenario decode must hold no agent or descriptor list of the
     # prefill engine (it was refused, unreachable or died): any left is leaked
     remote_agents_must_be_gone: bool = False
+    # each engine's side-channel address: prefill's is what decode is sent to
+    # (a host's own address when the ranks run in network namespaces)
+    prefill_host: str = "127.0.0.1"
+    decode_host: str = "127.0.0.1"
 
 
 @dataclass
@@ -208,24 +216,39 @@ def free_port(rng: random.Random | None = None) -> int:
 class RankPool:
     """Spawned rank processes, each importing vLLM once."""
 
-    def __init__(self, size: int, env: dict[str, str] | None = None):
-        """``env``: extra environment of the rank processes (e.g. UCX_TLS)."""
+    def __init__(
+        self,
+        size: int,
+        env: dict[str, str] | None = None,
+        namespaces: list[str | None] | None = None,
+    ):
+        """``env``: extra environment of the rank processes (e.g. UCX_TLS);
+        ``namespaces``: per rank process, the network namespace it runs in
+        (None: the coordinator's)."""
         self.env = dict(env or {})
+        self.namespaces = list(namespaces or [None] * size)
+        if len(self.namespaces) != size:
+            raise ValueError(f"{len(self.namespaces)} namespaces for {size} rank processes")
         self.connections = []
         self.processes = []
-        for _ in range(size):
-            connection, process = self._spawn()
+        for index in range(size):
+            connection, process = self._spawn(index)
             self.connections.append(connection)
             self.processes.append(process)
         for index in range(size):
             self._receive(index, COMMAND_TIMEOUT_S)
 
-    def _spawn(self):
-        """Start one rank process with ``self.env`` added to its environment."""
+    def _spawn(self, index: int):
+        """Start rank process ``index`` with ``self.env`` (and its namespace)
+        added to its environment."""
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
-        saved = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)  # a spawned child copies the parent's environment
+        env = dict(self.env)
+        if self.namespaces[index] is not None:
+            env[NETNS_ENV] = self.namespaces[index]
+        saved = {name: os.environ.get(name) for name in (*env, NETNS_ENV)}
+        os.environ.pop(NETNS_ENV, None)
+        os.environ.update(env)  # a spawned child copies the parent's environment
         try:
             process = context.Process(target=rank_main, args=(child,), daemon=True)
             process.start()
@@ -253,7 +276,7 @@ class RankPool:
         self.processes[index].join(timeout=30)
 
     def respawn(self, index: int) -> None:
-        self.connections[index], self.processes[index] = self._spawn()
+        self.connections[index], self.processes[index] = self._spawn(index)
         self._receive(index, COMMAND_TIMEOUT_S)
 
     def send(self, index: int, command: str, args: dict[str, Any] | None = None) -> None:
@@ -337,7 +360,7 @@ def run_cell(
     results = [ScenarioResult(s.name, cell.p_tp, cell.d_tp, cell.layout) for s in cell.scenarios]
     side_channel_port = free_port()
     specs = {}
-    for role, ranks, engine_id, dist_port, connector, model_dir, block_size in (
+    for role, ranks, engine_id, dist_port, connector, model_dir, block_size, host in (
         (
             "prefill",
             p_ranks,
@@ -346,6 +369,7 @@ def run_cell(
             cell.prefill_connector or cell.connector,
             cell.prefill_model_dir or cell.model_dir,
             cell.prefill_block_size,
+            cell.prefill_host,
         ),
         (
             "decode",
@@ -355,6 +379,7 @@ def run_cell(
             cell.connector,
             cell.model_dir,
             cell.decode_block_size,
+            cell.decode_host,
         ),
     ):
         for tp_rank, index in enumerate(ranks):
@@ -375,6 +400,7 @@ def run_cell(
                     "enable_prefix_caching": cell.prefix_caching,
                     "block_size": block_size,
                     "hma": cell.hma,
+                    "side_channel_host": host,
                 },
             )
     try:
@@ -494,7 +520,7 @@ def _run_scenario(
                 "remote_block_ids": p.logical_ids_by_group,
                 "remote_engine_id": f"prefill-{side_channel_port}",
                 "remote_request_id": rid,
-                "remote_host": "127.0.0.1",
+                "remote_host": cell.prefill_host,
                 "remote_port": free_port() if scenario.dead_side_channel else side_channel_port,
                 "tp_size": cell.p_tp,
                 # as NixlHMAConnector.request_finished_all_groups adds on prefill
@@ -614,12 +640,17 @@ def model_dir_for(config: dict[str, Any], root: Path) -> str:
 
 
 def run_cells(
-    cells: list[Cell], progress: Callable[[str], None], env: dict[str, str] | None = None
+    cells: list[Cell],
+    progress: Callable[[str], None],
+    env: dict[str, str] | None = None,
+    namespaces: list[str | None] | None = None,
 ) -> list[ScenarioResult]:
-    """``env``: extra environment of the rank processes (e.g. their log file)."""
+    """``env``: extra environment of the rank processes (e.g. their log file);
+    ``namespaces``: the network namespace of each rank process (prefill's
+    ranks come first in every cell), as ``RankPool`` takes them."""
     size = max(cell.p_tp + cell.d_tp for cell in cells)
     started = time.perf_counter()
-    pool = RankPool(size, env)
+    pool = RankPool(size, env, namespaces)
     progress(f"{size} rank processes ready in {time.perf_counter() - started:.1f} s")
     results: list[ScenarioResult] = []
     # a model whose cache cannot be built is refused once, not once per cell

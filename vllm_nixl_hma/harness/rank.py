@@ -22,6 +22,10 @@ POLL_SECONDS = 0.0005
 
 #: where a rank process writes its output (the check's log file); unset: inherited
 LOG_ENV = "VLLM_NIXL_HMA_RANK_LOG"
+#: the network namespace (``ip netns``) a rank process enters before anything
+#: else, so that its side channel and NIXL traffic leave through that host's
+#: interfaces (benchmarks across a link); unset: the coordinator's
+NETNS_ENV = "VLLM_NIXL_HMA_RANK_NETNS"
 
 #: vLLM 0.33's connector API (set once the rank process has imported vLLM)
 V033 = False
@@ -46,13 +50,15 @@ class EngineSpec:
     enable_prefix_caching: bool = False
     block_size: int | None = None  # --block-size
     hma: bool = True  # False: --disable-hybrid-kv-cache-manager
+    #: the address its side channel listens on and prefill advertises
+    side_channel_host: str = "127.0.0.1"
 
 
 class RankEngine:
     """The state of one rank while it plays one engine."""
 
     def __init__(self, spec: EngineSpec):
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
         from vllm.config import set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -589,6 +595,11 @@ def rank_main(connection) -> None:
     """
     global _CONNECTION
     _CONNECTION = connection
+    namespace = os.environ.get(NETNS_ENV)
+    if namespace:  # first, before vLLM or NIXL opens a socket or starts a thread
+        from vllm_nixl_hma.e2e import netns
+
+        netns.enter(namespace)
     log_path = os.environ.get(LOG_ENV)
     if log_path:  # vLLM's, NIXL's and UCX's lines (Python and C) go to the log file
         log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

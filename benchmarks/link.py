@@ -1,0 +1,332 @@
+"""The link benchmark (``python benchmarks/run.py --only link [--link-rate R ...]``, root).
+
+One request of 70 MiB and more moved from a prefill host to a decode host
+across a rate-limited link, the way ``e2e --separate-hosts`` joins them
+(``vllm_nixl_hma.e2e.netns``: one network namespace per host, veth links
+through a switch namespace, ``tbf`` at the link rate on every link end, UCX
+over TCP on the data interface, the side channel on the control network).
+Side by side, in one run and on one topology per link rate:
+
+- ``ours`` and ``stock``: the check harness's real engines (one rank process
+  per engine, each inside its host's namespace; the release's KV layout,
+  connector worker and side-channel handshake), prefill TP 1 -> decode TP 1,
+  a layout both connectors read right (every slot is checked); one warm-up
+  batch that also makes the handshake and UCX's connection, then one request
+  of 3600 logical blocks per repeat. Time: from decode's post to the last
+  completion.
+- ``raw_nixl``: two bare NIXL agents, one per host, reading the same number
+  of bytes with one descriptor (what the link allows NIXL with no connector).
+- ``tcp``: one TCP stream of the same bytes between the two hosts' data
+  addresses, Python sockets, the receiver asking for each copy (what the link
+  allows any TCP reader on this machine).
+- ``link``: the shaper's rate.
+
+``link_bytes_over_kv``: what prefill's data interface sent while the
+connector cells ran, over the KV bytes decode read (above 1: the KV crossed
+the link, plus TCP/IP headers and UCX's own messages).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+#: every agent's NIXL threads, as benchmarks/run.py configures them
+NIXL_THREADS = int(os.environ.get("BENCH_NIXL_THREADS", "4"))
+DEFAULT_LINK_RATES = ("10gbit", "1gbit")
+#: (layout, --block-size of both engines): None is the attention backend's choice
+LINK_CELLS = (("hybrid", None), ("dense", 128))
+CONNECTORS = {"ours": "NixlHMAConnector", "stock": "NixlConnector"}
+#: how long one raw read or one TCP copy may take before the benchmark gives up
+COPY_TIMEOUT_S = 120.0
+#: UCX as a host without RDMA talks to another: TCP on the data interface (on
+#: one machine UCX would otherwise copy through shared memory, past the link)
+UCX_ACROSS_HOSTS = {"UCX_NET_DEVICES": "eth0", "UCX_TLS": "tcp"}
+TCP_CHUNK_BYTES = 4 << 20
+
+
+def _raw_owner(namespace: str, num_bytes: int, connection) -> None:
+    """Prefill's side of raw NIXL: register ``num_bytes`` of ones, hand out
+    the agent's metadata and the buffer's address, wait for the reader."""
+    from vllm_nixl_hma.e2e import netns
+
+    netns.enter(namespace)
+    os.environ.update(UCX_ACROSS_HOSTS)
+    import torch
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(f"link-owner-{uuid.uuid4()}", nixl_agent_config(num_threads=NIXL_THREADS))
+    source = torch.ones(num_bytes, dtype=torch.uint8)
+    registered = agent.register_memory(agent.get_reg_descs([source]))
+    connection.send((agent.get_agent_metadata(), source.data_ptr()))
+    connection.recv()  # the reader is done
+    agent.deregister_memory(registered)
+
+
+def _raw_reader(namespace: str, num_bytes: int, owner, repeats: int, connection) -> None:
+    """Decode's side of raw NIXL: read the owner's buffer ``repeats`` times
+    (after one warm-up read that also connects), one descriptor per side;
+    send back the seconds of each read."""
+    from vllm_nixl_hma.e2e import netns
+
+    netns.enter(namespace)
+    os.environ.update(UCX_ACROSS_HOSTS)
+    import numpy as np
+    import torch
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    metadata, address = owner
+    agent = nixl_agent(f"link-reader-{uuid.uuid4()}", nixl_agent_config(num_threads=NIXL_THREADS))
+    target = torch.zeros(num_bytes, dtype=torch.uint8)
+    registered = agent.register_memory(agent.get_reg_descs([target]))
+    owner_name = agent.add_remote_agent(metadata)
+    local = agent.get_xfer_descs([target])
+    remote = agent.get_xfer_descs(np.array([[address, num_bytes, 0]], dtype=np.int64), "DRAM")
+    seconds = []
+    try:
+        for index in range(repeats + 1):
+            target.zero_()
+            started = time.perf_counter()
+            handle = agent.initialize_xfer("READ", local, remote, owner_name)
+            agent.transfer(handle)
+            try:
+                deadline = started + COPY_TIMEOUT_S
+                while (state := agent.check_xfer_state(handle)) == "PROC":
+                    if time.perf_counter() > deadline:
+                        raise TimeoutError(f"raw NIXL read not done in {COPY_TIMEOUT_S:.0f} s")
+                if state != "DONE":
+                    raise RuntimeError(f"raw NIXL read ended {state}")
+            finally:
+                agent.release_xfer_handle(handle)
+            if index:
+                seconds.append(time.perf_counter() - started)
+            if not bool(target.all()):
+                raise RuntimeError("raw NIXL read did not move the bytes")
+        connection.send(("ok", seconds))
+    except Exception as e:  # reported to the parent, which raises
+        connection.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        agent.remove_remote_agent(owner_name)
+        agent.deregister_memory(registered)
+
+
+def _tcp_sender(namespace: str, address: str, num_bytes: int, connection) -> None:
+    """Prefill's side of the TCP copy: listen on the data address, send
+    ``num_bytes`` each time the receiver asks, until it closes."""
+    from vllm_nixl_hma.e2e import netns
+
+    netns.enter(namespace)
+    payload = memoryview(b"\x01" * num_bytes)
+    with socket.create_server((address, 0)) as server:
+        server.settimeout(COPY_TIMEOUT_S)
+        connection.send(server.getsockname()[1])
+        peer, _ = server.accept()
+        with peer:
+            peer.settimeout(COPY_TIMEOUT_S)
+            while peer.recv(1):
+                peer.sendall(payload)
+
+
+def _tcp_receiver(
+    namespace: str, address: str, port: int, num_bytes: int, repeats: int, connection
+):
+    """Decode's side: ask for the bytes ``repeats`` times after one warm-up;
+    send back the seconds from each request to its last byte."""
+    from vllm_nixl_hma.e2e import netns
+
+    netns.enter(namespace)
+    buffer = bytearray(num_bytes)
+    view = memoryview(buffer)
+    seconds = []
+    try:
+        with socket.create_connection((address, port), timeout=COPY_TIMEOUT_S) as stream:
+            for index in range(repeats + 1):
+                started = time.perf_counter()
+                stream.sendall(b"g")
+                received = 0
+                while received < num_bytes:
+                    count = stream.recv_into(
+                        view[received:], min(TCP_CHUNK_BYTES, num_bytes - received)
+                    )
+                    if not count:
+                        raise ConnectionError("the sender closed mid-copy")
+                    received += count
+                if index:
+                    seconds.append(time.perf_counter() - started)
+        connection.send(("ok", seconds))
+    except Exception as e:
+        connection.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _answer(end, process, timeout_s: float, who: str):
+    """The first message on ``end`` from ``process``; raises once the process
+    has ended without one, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not end.poll(0.5):
+        if not process.is_alive():
+            raise RuntimeError(f"{who}'s process ended (exit code {process.exitcode}) unanswered")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{who} did not answer in {timeout_s:.0f} s")
+    return end.recv()
+
+
+def _pair(owner_target, owner_args, reader_target, reader_args_of) -> list[float]:
+    """Run the owner's process, hand what it sends first to the reader's, and
+    return the reader's seconds (both processes ended, whatever happened)."""
+    context = multiprocessing.get_context("spawn")
+    owner_end, owner_child = context.Pipe()
+    reader_end, reader_child = context.Pipe()
+    owner = context.Process(target=owner_target, args=(*owner_args, owner_child), daemon=True)
+    owner.start()
+    reader = None
+    try:
+        first = _answer(owner_end, owner, COPY_TIMEOUT_S, "the owner")
+        reader = context.Process(
+            target=reader_target, args=(*reader_args_of(first), reader_child), daemon=True
+        )
+        reader.start()
+        status, reply = _answer(reader_end, reader, COPY_TIMEOUT_S * 4, "the reader")
+        if status != "ok":
+            raise RuntimeError(reply)
+        return reply
+    finally:
+        try:
+            owner_end.send("done")
+        except (BrokenPipeError, OSError):
+            pass
+        for process in (reader, owner):
+            if process is not None:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
+                    process.join(timeout=10)
+
+
+def raw_nixl_seconds(topology, num_bytes: int, repeats: int) -> list[float]:
+    prefill, decode = topology.hosts["prefill"], topology.hosts["decode"]
+    return _pair(
+        _raw_owner,
+        (prefill.namespace, num_bytes),
+        _raw_reader,
+        lambda owner: (decode.namespace, num_bytes, owner, repeats),
+    )
+
+
+def tcp_seconds(topology, num_bytes: int, repeats: int) -> list[float]:
+    prefill, decode = topology.hosts["prefill"], topology.hosts["decode"]
+    return _pair(
+        _tcp_sender,
+        (prefill.namespace, prefill.address, num_bytes),
+        _tcp_receiver,
+        lambda port: (decode.namespace, prefill.address, port, num_bytes, repeats),
+    )
+
+
+def connector_cells(topology, repeats: int, model_dirs: dict[str, str]) -> list:
+    from vllm_nixl_hma.harness import coordinator
+
+    prefill, decode = topology.hosts["prefill"], topology.hosts["decode"]
+    scenarios = [coordinator.Scenario("mid-block")] + [
+        coordinator.Scenario("one-long") for _ in range(repeats)
+    ]
+    return [
+        coordinator.Cell(
+            layout,
+            model_dirs[layout],
+            p_tp=1,
+            d_tp=1,
+            connector=connector,
+            scenarios=scenarios,
+            num_gpu_blocks=4096,
+            prefill_block_size=block_size,
+            decode_block_size=block_size,
+            prefill_host=prefill.control_address,
+            decode_host=decode.control_address,
+        )
+        for layout, block_size in LINK_CELLS
+        for connector in CONNECTORS.values()
+    ]
+
+
+def link_rows(quick: bool, progress, rates=DEFAULT_LINK_RATES) -> list[dict]:
+    """One row per (link rate, layout): ours, stock, raw NIXL and TCP across it."""
+    from vllm_nixl_hma.e2e import netns
+    from vllm_nixl_hma.harness import coordinator
+    from vllm_nixl_hma.harness.model_shapes import installed_layouts
+
+    repeats = 2 if quick else 5
+    layouts = installed_layouts()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-link-") as root:
+        model_dirs = {
+            layout: coordinator.model_dir_for(layouts[layout], Path(root))
+            for layout, _ in LINK_CELLS
+        }
+        for rate in rates:
+            with netns.Topology(["prefill", "decode"], link_rate=rate) as topology:
+                namespaces = [topology.hosts[h].namespace for h in ("prefill", "decode")]
+                before = topology.counters("prefill")["tx_bytes"]
+                results = coordinator.run_cells(
+                    connector_cells(topology, repeats, model_dirs),
+                    progress,
+                    env=UCX_ACROSS_HOSTS,
+                    namespaces=namespaces,
+                )
+                link_tx_bytes = topology.counters("prefill")["tx_bytes"] - before
+                kv_bytes = sum(r.bytes for r in results)
+                per_cell = repeats + 1
+                for index, (layout, _) in enumerate(LINK_CELLS):
+                    measured = {}
+                    for offset, name in enumerate(CONNECTORS):
+                        start = (len(CONNECTORS) * index + offset) * per_cell
+                        cell_results = results[start : start + per_cell]
+                        for result in cell_results:
+                            if not result.ok:
+                                raise RuntimeError(
+                                    f"{name} {layout} at {rate} {result.name}: "
+                                    f"{result.error or result.examples}"
+                                )
+                        measured[name] = cell_results[1:]
+                    num_bytes = measured["ours"][0].bytes
+                    progress(f"link {rate}: raw NIXL and TCP, {num_bytes / 2**20:.0f} MiB")
+                    seconds = {name: [r.seconds for r in measured[name]] for name in CONNECTORS}
+                    seconds["raw_nixl"] = raw_nixl_seconds(topology, num_bytes, repeats)
+                    seconds["tcp"] = tcp_seconds(topology, num_bytes, repeats)
+                    rows.append(
+                        link_row(
+                            rate,
+                            topology.link_rate_bits,
+                            layout,
+                            num_bytes,
+                            seconds,
+                            link_tx_bytes / kv_bytes,
+                        )
+                    )
+    return rows
+
+
+def link_row(rate, rate_bits, layout, num_bytes, seconds, link_bytes_over_kv) -> dict:
+    """A table row: GB/s per mover (bytes over the median seconds) and the ratios."""
+    gb_s = {name: num_bytes / statistics.median(s) / 1e9 for name, s in seconds.items()}
+    link_gb_s = rate_bits / 8 / 1e9
+    return {
+        "link_rate": rate,
+        "layout": layout,
+        "MiB": round(num_bytes / 2**20, 1),
+        "link_GB_s": round(link_gb_s, 3),
+        "ours_GB_s": round(gb_s["ours"], 3),
+        "stock_GB_s": round(gb_s["stock"], 3),
+        "raw_nixl_GB_s": round(gb_s["raw_nixl"], 3),
+        "tcp_GB_s": round(gb_s["tcp"], 3),
+        "ours_over_stock": round(gb_s["ours"] / gb_s["stock"], 3),
+        "ours_over_raw_nixl": round(gb_s["ours"] / gb_s["raw_nixl"], 3),
+        "ours_over_link": round(gb_s["ours"] / link_gb_s, 3),
+        "tcp_over_link": round(gb_s["tcp"] / link_gb_s, 3),
+        "link_bytes_over_kv": round(link_bytes_over_kv, 3),
+    }

@@ -52,8 +52,8 @@ TCP_CHUNK_BYTES = 4 << 20
 
 
 def _raw_owner(namespace: str, num_bytes: int, connection) -> None:
-    """Prefill's side of raw NIXL: register ``num_bytes`` of ones, hand out
-    the agent's metadata and the buffer's address, wait for the reader."""
+    """Prefill's side of raw NIXL: register twice ``num_bytes`` of ones, hand
+    out the agent's metadata and the buffer's address, wait for the reader."""
     from vllm_nixl_hma.e2e import netns
 
     netns.enter(namespace)
@@ -62,34 +62,54 @@ def _raw_owner(namespace: str, num_bytes: int, connection) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     agent = nixl_agent(f"link-owner-{uuid.uuid4()}", nixl_agent_config(num_threads=NIXL_THREADS))
-    source = torch.ones(num_bytes, dtype=torch.uint8)
+    source = torch.ones(2 * num_bytes, dtype=torch.uint8)
     registered = agent.register_memory(agent.get_reg_descs([source]))
     connection.send((agent.get_agent_metadata(), source.data_ptr()))
     connection.recv()  # the reader is done
     agent.deregister_memory(registered)
 
 
-def _raw_reader(namespace: str, num_bytes: int, owner, repeats: int, connection) -> None:
-    """Decode's side of raw NIXL: read the owner's buffer ``repeats`` times
-    (after one warm-up read that also connects), one descriptor per side;
-    send back the seconds of each read."""
+def _descriptors(address: int, num_bytes: int, chunk_bytes: int):
+    """``num_bytes`` from ``address`` as one descriptor (``chunk_bytes`` 0), or
+    as descriptors of ``chunk_bytes`` with a gap of the same size after each
+    (NIXL merges descriptors that are contiguous on both sides)."""
+    import numpy as np
+
+    if not chunk_bytes:
+        return np.array([[address, num_bytes, 0]], dtype=np.int64)
+    count = -(-num_bytes // chunk_bytes)
+    descs = np.zeros((count, 3), dtype=np.int64)
+    descs[:, 0] = address + 2 * chunk_bytes * np.arange(count)
+    descs[:, 1] = chunk_bytes
+    descs[-1, 1] = num_bytes - chunk_bytes * (count - 1)
+    return descs
+
+
+def _raw_reader(
+    namespace: str, num_bytes: int, owner, repeats: int, chunk_bytes: int, connection
+) -> None:
+    """Decode's side of raw NIXL: read ``num_bytes`` of the owner's buffer
+    ``repeats`` times (after one warm-up read that also connects), in one
+    descriptor per side or in descriptors of ``chunk_bytes``; send back the
+    seconds of each read."""
     from vllm_nixl_hma.e2e import netns
 
     netns.enter(namespace)
     os.environ.update(UCX_ACROSS_HOSTS)
-    import numpy as np
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
     metadata, address = owner
     agent = nixl_agent(f"link-reader-{uuid.uuid4()}", nixl_agent_config(num_threads=NIXL_THREADS))
-    target = torch.zeros(num_bytes, dtype=torch.uint8)
+    target = torch.zeros(2 * num_bytes, dtype=torch.uint8)
     registered = agent.register_memory(agent.get_reg_descs([target]))
-    owner_name = agent.add_remote_agent(metadata)
-    local = agent.get_xfer_descs([target])
-    remote = agent.get_xfer_descs(np.array([[address, num_bytes, 0]], dtype=np.int64), "DRAM")
+    owner_name = None
     seconds = []
     try:
+        owner_name = agent.add_remote_agent(metadata)
+        local_descs = _descriptors(target.data_ptr(), num_bytes, chunk_bytes)
+        local = agent.get_xfer_descs(local_descs, "DRAM")
+        remote = agent.get_xfer_descs(_descriptors(address, num_bytes, chunk_bytes), "DRAM")
         for index in range(repeats + 1):
             target.zero_()
             started = time.perf_counter()
@@ -106,13 +126,15 @@ def _raw_reader(namespace: str, num_bytes: int, owner, repeats: int, connection)
                 agent.release_xfer_handle(handle)
             if index:
                 seconds.append(time.perf_counter() - started)
-            if not bool(target.all()):
-                raise RuntimeError("raw NIXL read did not move the bytes")
+            moved = sum(int(target[a - target.data_ptr() :][:n].sum()) for a, n, _ in local_descs)
+            if moved != num_bytes:
+                raise RuntimeError(f"raw NIXL read moved {moved} of {num_bytes} bytes")
         connection.send(("ok", seconds))
     except Exception as e:  # reported to the parent, which raises
         connection.send(("error", f"{type(e).__name__}: {e}"))
     finally:
-        agent.remove_remote_agent(owner_name)
+        if owner_name is not None:
+            agent.remove_remote_agent(owner_name)
         agent.deregister_memory(registered)
 
 
@@ -208,13 +230,15 @@ def _pair(owner_target, owner_args, reader_target, reader_args_of) -> list[float
                     process.join(timeout=10)
 
 
-def raw_nixl_seconds(topology, num_bytes: int, repeats: int) -> list[float]:
+def raw_nixl_seconds(topology, num_bytes: int, repeats: int, chunk_bytes: int = 0) -> list[float]:
+    """Seconds of raw NIXL reads of ``num_bytes`` from the prefill host to the
+    decode host: one descriptor, or descriptors of ``chunk_bytes``."""
     prefill, decode = topology.hosts["prefill"], topology.hosts["decode"]
     return _pair(
         _raw_owner,
         (prefill.namespace, num_bytes),
         _raw_reader,
-        lambda owner: (decode.namespace, num_bytes, owner, repeats),
+        lambda owner: (decode.namespace, num_bytes, owner, repeats, chunk_bytes),
     )
 
 
@@ -297,6 +321,11 @@ def link_rows(quick: bool, progress, rates=DEFAULT_LINK_RATES) -> list[dict]:
                     progress(f"link {rate}: raw NIXL and TCP, {num_bytes / 2**20:.0f} MiB")
                     seconds = {name: [r.seconds for r in measured[name]] for name in CONNECTORS}
                     seconds["raw_nixl"] = raw_nixl_seconds(topology, num_bytes, repeats)
+                    # raw NIXL in as many descriptors as NIXL moved for ours
+                    chunk_bytes = -(-num_bytes // measured["ours"][0].descriptors)
+                    seconds["raw_nixl_ours_descs"] = raw_nixl_seconds(
+                        topology, num_bytes, repeats, chunk_bytes
+                    )
                     seconds["tcp"] = tcp_seconds(topology, num_bytes, repeats)
                     rows.append(
                         link_row(
@@ -304,6 +333,7 @@ def link_rows(quick: bool, progress, rates=DEFAULT_LINK_RATES) -> list[dict]:
                             topology.link_rate_bits,
                             layout,
                             num_bytes,
+                            {name: measured[name][0].descriptors for name in CONNECTORS},
                             seconds,
                             link_tx_bytes / kv_bytes,
                         )
@@ -311,21 +341,26 @@ def link_rows(quick: bool, progress, rates=DEFAULT_LINK_RATES) -> list[dict]:
     return rows
 
 
-def link_row(rate, rate_bits, layout, num_bytes, seconds, link_bytes_over_kv) -> dict:
-    """A table row: GB/s per mover (bytes over the median seconds) and the ratios."""
+def link_row(rate, rate_bits, layout, num_bytes, descriptors, seconds, link_bytes_over_kv) -> dict:
+    """A table row: GB/s per mover (bytes over the median seconds) and the ratios;
+    ``descriptors``: what NIXL moved per request for ours and stock."""
     gb_s = {name: num_bytes / statistics.median(s) / 1e9 for name, s in seconds.items()}
     link_gb_s = rate_bits / 8 / 1e9
     return {
         "link_rate": rate,
         "layout": layout,
         "MiB": round(num_bytes / 2**20, 1),
+        "descs_ours": descriptors["ours"],
+        "descs_stock": descriptors["stock"],
         "link_GB_s": round(link_gb_s, 3),
         "ours_GB_s": round(gb_s["ours"], 3),
         "stock_GB_s": round(gb_s["stock"], 3),
         "raw_nixl_GB_s": round(gb_s["raw_nixl"], 3),
+        "raw_nixl_ours_descs_GB_s": round(gb_s["raw_nixl_ours_descs"], 3),
         "tcp_GB_s": round(gb_s["tcp"], 3),
         "ours_over_stock": round(gb_s["ours"] / gb_s["stock"], 3),
         "ours_over_raw_nixl": round(gb_s["ours"] / gb_s["raw_nixl"], 3),
+        "ours_over_raw_nixl_ours_descs": round(gb_s["ours"] / gb_s["raw_nixl_ours_descs"], 3),
         "ours_over_link": round(gb_s["ours"] / link_gb_s, 3),
         "tcp_over_link": round(gb_s["tcp"] / link_gb_s, 3),
         "link_bytes_over_kv": round(link_bytes_over_kv, 3),

@@ -47,6 +47,23 @@ def _link_rate(text: str) -> str:
     return text
 
 
+#: the most engines of one role ``e2e`` starts (this machine's memory and cores)
+MAX_ENGINES_PER_ROLE = 4
+
+
+def _engine_count(text: str) -> int:
+    """1 to ``MAX_ENGINES_PER_ROLE``, else a usage error."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_ENGINES_PER_ROLE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a number of engines from 1 to {MAX_ENGINES_PER_ROLE}"
+        )
+    return count
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-nixl-hma",
@@ -114,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--connector", choices=CONNECTORS, default=CONNECTORS[0])
     e2e.add_argument("--prefill-tp", type=int, default=2)
     e2e.add_argument("--decode-tp", type=int, default=1)
+    e2e.add_argument(
+        "--prefills",
+        type=_engine_count,
+        default=1,
+        metavar="N",
+        help="prefill engines behind the router (default 1); the router sends requests to "
+        "every (prefill, decode) pair in turn, and the report counts them per pair",
+    )
+    e2e.add_argument(
+        "--decodes", type=_engine_count, default=1, metavar="N", help="decode engines (default 1)"
+    )
     e2e.add_argument(
         "--no-cpu-kernel-block",
         action="store_true",
@@ -372,6 +400,18 @@ E2E_COLUMNS = (
 )
 
 
+#: with several engines: which pair the router sent each prompt to
+PAIR_COLUMNS = (
+    ("prefill", 9, lambda r: r.get("prefill") or "-"),
+    ("decode", 9, lambda r: r.get("decode") or "-"),
+)
+PAIR_TABLE_COLUMNS = (
+    ("prefill", 9, lambda p: p["prefill"]),
+    ("decode", 9, lambda p: p["decode"]),
+    ("routed", 6, lambda p: p["routed"]),
+    ("matched", 7, lambda p: p["matched"]),
+)
+
 FAULT_E2E_COLUMNS = (
     ("fault", 24, lambda f: f["name"]),
     ("policy", 9, lambda f: f["policy"]),
@@ -396,7 +436,13 @@ def render_e2e(report: dict) -> str:
         paths = ", ".join(f"{name} {'/'.join(p)}" for name, p in cpu["moe_paths"].items())
         lines.append(f"CPU fused MoE (host AMX {amx}{told}): {paths}")
     lines += render_hosts(report)
-    lines += render_rows(E2E_COLUMNS, report["prompts"])
+    columns = E2E_COLUMNS
+    if len(report.get("pairs") or ()) > 1:
+        columns += PAIR_COLUMNS
+    lines += render_rows(columns, report["prompts"])
+    if len(report.get("pairs") or ()) > 1:
+        lines.append("")
+        lines += render_rows(PAIR_TABLE_COLUMNS, report["pairs"])
     failed = [r for r in report["prompts"] if not (r["match"] and r["http_status"] == 200)]
     for r in failed:
         lines.append(
@@ -412,10 +458,16 @@ def render_e2e(report: dict) -> str:
             f"FAILED fault {f['name']} ({f['policy']}): {f['outcome'] or 'not run'}"
             + (f" ({f['error']})" if f["error"] else "")
         )
+    unserved = [p for p in report.get("pairs") or () if not p["matched"]]
+    for p in unserved:
+        lines.append(
+            f"FAILED pair {p['prefill']} -> {p['decode']}: {p['routed']} prompt(s) routed, "
+            "none matched"
+        )
     if report.get("error"):
         lines.append(f"FAILED: {report['error']}")
     passed = len(report["prompts"]) + len(report["faults"]) - len(failed) - len(failed_faults)
-    bad = len(failed) + len(failed_faults) + bool(report.get("error"))
+    bad = len(failed) + len(failed_faults) + len(unserved) + bool(report.get("error"))
     lines.append(f"{passed} passed, {bad} failed")
     return "\n".join(lines)
 
@@ -466,6 +518,8 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
         faults=(ALL_FAULTS if args.separate_hosts else FAULT_NAMES) if args.faults else (),
         separate_hosts=args.separate_hosts,
         link_rate=args.link_rate,
+        prefills=args.prefills,
+        decodes=args.decodes,
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)

@@ -6,8 +6,11 @@ remote decode, then to a decode engine with the ``kv_transfer_params`` the
 prefill engine returned, exactly as vLLM's P/D proxies route it. The decode
 engine's answer is passed through as it comes, streamed or not; an error from
 either engine is passed through with its status and body. Engines are picked
-round robin. Standard library only (threads and ``http.client``), so that
-``pip install`` gives users a router with nothing else to install.
+round robin over every (prefill, decode) pair, so that with several of each
+every decode engine meets every prefill engine; each answer names the pair
+in the ``x-pd-prefill`` and ``x-pd-decode`` headers (their URLs). Standard
+library only (threads and ``http.client``), so that ``pip install`` gives
+users a router with nothing else to install.
 
 At scale the same job is done by production routers: vLLM's production
 stack router, llm-d's inference scheduler and NVIDIA Dynamo route P/D
@@ -38,6 +41,9 @@ PREFILL_KV_TRANSFER_PARAMS = {
     "remote_port": None,
 }
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+#: the answer's headers that name the engines that served it
+PREFILL_HEADER = "x-pd-prefill"
+DECODE_HEADER = "x-pd-decode"
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -75,12 +81,13 @@ class PDRouter:
         self.decode = [_Engine(url) for url in decode]
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._next_prefill = itertools.cycle(self.prefill)
-        self._next_decode = itertools.cycle(self.decode)
+        # every pair in turn: cycling the two lists side by side would pair
+        # prefill k with decode k alone whenever the counts are equal
+        self._next_pair = itertools.cycle(itertools.product(self.prefill, self.decode))
 
     def pick(self) -> tuple[_Engine, _Engine]:
         with self._lock:
-            return next(self._next_prefill), next(self._next_decode)
+            return next(self._next_pair)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -90,11 +97,19 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         pass  # quiet; errors reach the client
 
+    #: the engines serving the request being answered (headers to name them)
+    _pair: tuple[tuple[str, str], ...] = ()
+
+    def _pair_headers(self) -> None:
+        for name, value in self._pair:
+            self.send_header(name, value)
+
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        self._pair_headers()
         self.end_headers()
         self.wfile.write(data)
 
@@ -102,6 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(status, {"error": {"message": message, "type": "proxy_error", "code": status}})
 
     def do_GET(self) -> None:  # noqa: N802
+        self._pair = ()
         if self.path == "/health":
             self._reply(200, {"status": "ok"})
         elif self.path == "/v1/models":
@@ -111,6 +127,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"no route for GET {self.path}")
 
     def do_POST(self) -> None:  # noqa: N802
+        self._pair = ()
         if self.path not in ROUTED_PATHS:
             self._error(404, f"no route for POST {self.path}")
             return
@@ -124,6 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, "request body must be a JSON object")
             return
         prefill, decode = self.router.pick()
+        self._pair = ((PREFILL_HEADER, prefill.url), (DECODE_HEADER, decode.url))
         try:
             status, headers, data = self._call(prefill, self.path, prefill_request(body))
         except OSError as e:
@@ -163,6 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
             if name.lower() not in HOP_BY_HOP:
                 self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
+        self._pair_headers()
         self.end_headers()
         self.wfile.write(data)
 
@@ -186,6 +205,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if name.lower() not in HOP_BY_HOP:
                     self.send_header(name, value)
             self.send_header("Transfer-Encoding", "chunked")
+            self._pair_headers()
             self.end_headers()
             while chunk := response.read1(65536):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))

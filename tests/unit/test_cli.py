@@ -101,3 +101,49 @@ def test_the_e2e_table_shows_the_hosts_and_what_crossed_the_data_links():
         "links 10gbit, data network during the P/D prompts: prefill sent 2500451 B, decode "
         "received 2502122 B; decode's NIXL read 2367488 B of KV"
     )
+
+
+def test_with_several_engines_every_pair_is_counted_and_a_pair_that_never_matched_fails():
+    from types import SimpleNamespace
+
+    from vllm_nixl_hma.cli import render_e2e
+    from vllm_nixl_hma.e2e.run import PromptResult, concurrent_lengths, pair_counts
+
+    prefills = [SimpleNamespace(name=n) for n in ("prefill", "prefill-1")]
+    decodes = [SimpleNamespace(name=n) for n in ("decode", "decode-1")]
+    results = [
+        PromptResult(5, match=True, http_status=200, prefill="prefill", decode="decode"),
+        PromptResult(6, match=True, http_status=200, prefill="prefill", decode="decode-1"),
+        PromptResult(7, match=True, http_status=200, prefill="prefill-1", decode="decode"),
+        PromptResult(8, match=False, http_status=500, prefill="prefill-1", decode="decode-1"),
+        PromptResult(9, match=True, http_status=200, prefill="prefill", decode="decode"),
+    ]
+    pairs = pair_counts(prefills, decodes, results)
+    assert [(p["prefill"], p["decode"], p["routed"], p["matched"]) for p in pairs] == [
+        ("prefill", "decode", 2, 2),
+        ("prefill", "decode-1", 1, 1),
+        ("prefill-1", "decode", 1, 1),
+        ("prefill-1", "decode-1", 1, 0),
+    ]
+    report = {
+        "model": "dense",
+        "connector": "NixlHMAConnector",
+        "p_tp": 1,
+        "d_tp": 1,
+        "remote_ratio": 8,
+        "local_ratio": 8,
+        "prompts": [r.as_json() for r in results],
+        "faults": [],
+        "pairs": pairs,
+    }
+    text = render_e2e(report)
+    assert "FAILED pair prefill-1 -> decode-1: 1 prompt(s) routed, none matched" in text
+    assert text.endswith("4 passed, 2 failed")
+    # the concurrent batch: distinct prompts, as many as asked
+    assert concurrent_lengths([10, 20, 30], 8) == [10, 20, 30, 13, 23, 33, 16, 26]
+
+
+def test_engine_counts_outside_one_to_four_are_usage_errors(tmp_path, capfd):
+    assert main(["e2e", "--prefills", "0", "--model", str(tmp_path)]) == ExitCode.USAGE_ERROR
+    assert main(["e2e", "--decodes", "5", "--model", str(tmp_path)]) == ExitCode.USAGE_ERROR
+    assert "a number of engines from 1 to 4" in capfd.readouterr().err

@@ -128,3 +128,36 @@ def test_an_unreachable_engine_is_a_502_naming_it(route):
     port = route(gone, Engine(body={}))
     status, data = post(port, "/v1/completions", {"prompt": [1]})
     assert status == 502 and gone.url.encode() in data
+
+
+def test_two_by_two_engines_every_decode_meets_every_prefill_and_answers_name_the_pair():
+    """Round robin side by side would pair prefill k with decode k alone when the
+    counts are equal: four requests must cover all four pairs, each answer
+    naming the two engines that served it."""
+    prefills = [Engine(body={"kv_transfer_params": {**KV_PARAMS, "n": k}}) for k in range(2)]
+    decodes = [Engine(body={"choices": [{"text": "x"}]}) for _ in range(2)]
+    router = proxy.make_server(
+        proxy.PDRouter([e.url for e in prefills], [e.url for e in decodes], 10), "127.0.0.1", 0
+    )
+    threading.Thread(target=router.serve_forever, daemon=True).start()
+    try:
+        named = []
+        for _ in range(4):
+            connection = http.client.HTTPConnection("127.0.0.1", router.server_address[1], 10)
+            connection.request("POST", "/v1/completions", json.dumps({"prompt": "p"}))
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 200
+            named.append((response.getheader("x-pd-prefill"), response.getheader("x-pd-decode")))
+            connection.close()
+        assert sorted(named) == sorted((p.url, d.url) for p in prefills for d in decodes)
+        # each decode engine got the params of the prefill engine the answer names
+        urls = [e.url for e in prefills]
+        for decode in decodes:
+            sent = [r["kv_transfer_params"]["n"] for r in decode.received]
+            assert sent == [urls.index(p) for p, d in named if d == decode.url]
+    finally:
+        router.shutdown()
+        router.server_close()
+        for engine in prefills + decodes:
+            engine.close()

@@ -79,6 +79,9 @@ class E2EOptions:
     #: every engine and the router on a host of its own (``netns``), on links of ``link_rate``
     separate_hosts: bool = False
     link_rate: str = "10gbit"
+    #: prefill and decode engines behind the router (xPyD); each pair is routed in turn
+    prefills: int = 1
+    decodes: int = 1
 
 
 @dataclass
@@ -93,6 +96,9 @@ class PromptResult:
     concurrent: bool = False
     max_logprob_diff: float | None = None
     api: str = "completions"  # or "chat", "chat-stream": /v1/chat/completions, whole or streamed
+    #: the engines the router sent it to (names, from its answer's headers)
+    prefill: str | None = None
+    decode: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
@@ -182,6 +188,16 @@ HOST_OF_ENGINE = {
 ROUTER_HOST = "router"
 
 
+def engine_names(role: str, count: int) -> list[str]:
+    """The names of ``count`` engines of ``role``: ``prefill``, ``prefill-1``, ..."""
+    return [role] + [f"{role}-{k}" for k in range(1, count)]
+
+
+def host_of(name: str) -> str:
+    """The host engine ``name`` runs on with ``separate_hosts`` (``prefill-1``: ``prefill1``)."""
+    return HOST_OF_ENGINE.get(name) or name.replace("-", "")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where engines and the router run: all on 127.0.0.1 in this network
@@ -193,7 +209,7 @@ class Placement:
         """``EngineSpec`` fields that put engine ``name`` on its host."""
         if self.topology is None:
             return {"host": "127.0.0.1", "namespace": None}
-        host = self.topology.hosts[HOST_OF_ENGINE[name]]
+        host = self.topology.hosts[host_of(name)]
         # HTTP and the side channel on the control network; UCX on eth0, the data one
         return {"host": host.control_address, "namespace": host.namespace}
 
@@ -226,6 +242,8 @@ def run_e2e(
         "cpu": {"host_amx": _host_amx(), "amx_told": options.cpu_amx, "moe_paths": {}},
         "start_failure": None,
         "separate_hosts": options.separate_hosts,
+        "engines": [],
+        "pairs": [],
         "logs": str(workdir),
     }
     engine = dict(
@@ -240,7 +258,19 @@ def run_e2e(
             try:
                 topology = stack.enter_context(
                     netns.Topology(
-                        [ROUTER_HOST, *HOST_OF_ENGINE.values()], link_rate=options.link_rate
+                        [
+                            ROUTER_HOST,
+                            *HOST_OF_ENGINE.values(),
+                            *(
+                                host_of(name)
+                                for role, count in (
+                                    ("prefill", options.prefills),
+                                    ("decode", options.decodes),
+                                )
+                                for name in engine_names(role, count)[1:]
+                            ),
+                        ],
+                        link_rate=options.link_rate,
                     )
                 )
             except (netns.NetworkNamespacesUnavailable, ValueError) as e:
@@ -351,9 +381,34 @@ def _run_engines(
                 **placement.engine("decode-recompute"),
             )
         )
+    # xPyD: the other prefill and decode engines, configured as the first of each
+    for role, count, first in (
+        ("prefill", options.prefills, specs[0]),
+        ("decode", options.decodes, specs[1]),
+    ):
+        specs += [
+            dataclasses.replace(
+                first,
+                name=name,
+                port=free_port(),
+                side_channel_port=free_port(),
+                **placement.engine(name),
+            )
+            for name in engine_names(role, count)[1:]
+        ]
     started = [servers.start_engine(spec) for spec in specs]
     engines.extend(started)
     prefill, decode = started[:2]
+    prefills = [prefill] + [s for s in started if s.name.startswith("prefill-")]
+    decodes = [decode] + [s for s in started if re.fullmatch(r"decode-\d+", s.name)]
+    report["engines"] = [
+        {"name": s.name, "role": role, "url": s.url, "tp": tp}
+        for role, group, tp in (
+            ("prefill", prefills, options.p_tp),
+            ("decode", decodes, options.d_tp),
+        )
+        for s in group
+    ]
     try:
         for server in started:
             server.wait_ready(options.start_timeout_s)
@@ -380,6 +435,9 @@ def _run_engines(
         f"decode {decode_block} tokens (ratio {report['local_ratio']}); prompts "
         f"{lengths[0]}, then {lengths[1]} concurrently"
     )
+    pairs = len(prefills) * len(decodes)
+    if pairs > 1:  # the concurrent batch meets every pair twice
+        lengths = (lengths[0], concurrent_lengths(lengths[1], 2 * pairs))
     all_lengths = lengths[0] + lengths[1] + [fault_prompt_tokens(f) for f in options.faults]
     progress(f"reference answers {len(all_lengths) + 1} prompts")
     expected = {
@@ -399,7 +457,9 @@ def _run_engines(
     )
     servers.stop(reference)
     router = proxy.make_server(
-        proxy.PDRouter([prefill.url], [decode.url], options.request_timeout_s),
+        proxy.PDRouter(
+            [p.url for p in prefills], [d.url for d in decodes], options.request_timeout_s
+        ),
         placement.router_address,
         free_port(),
     )
@@ -448,13 +508,45 @@ def _run_engines(
                 placement,
             )
         ]
+    name_of = {server.url: server.name for server in started}
+    for result in results:  # the router names engines by URL
+        result.prefill = name_of.get(result.prefill, result.prefill)
+        result.decode = name_of.get(result.decode, result.decode)
     report["prompts"] = [r.as_json() for r in results]
+    report["pairs"] = pair_counts(prefills, decodes, results)
     report["ok"] = (
         bool(results)
         and all(r.match and r.http_status == 200 for r in results)
         and all(f["ok"] for f in report["faults"])
+        and all(pair["matched"] > 0 for pair in report["pairs"])
     )
     return report
+
+
+def concurrent_lengths(lengths: list[int], count: int) -> list[int]:
+    """``count`` prompt lengths for the concurrent batch: ``lengths``, then each
+    of them again a few tokens longer (distinct prompts: no prefix-cache hit
+    on a dense decode engine makes it read less)."""
+    return [lengths[i % len(lengths)] + 3 * (i // len(lengths)) for i in range(count)]
+
+
+def pair_counts(prefills, decodes, results: list[PromptResult]) -> list[dict[str, Any]]:
+    """Per (prefill, decode) pair: the P/D prompts the router sent it and how
+    many of them matched the reference (decode's KV came from that prefill
+    engine: under ``fail`` a read that did not happen is an error answer)."""
+    rows = []
+    for prefill in prefills:
+        for decode in decodes:
+            served = [r for r in results if (r.prefill, r.decode) == (prefill.name, decode.name)]
+            rows.append(
+                {
+                    "prefill": prefill.name,
+                    "decode": decode.name,
+                    "routed": len(served),
+                    "matched": sum(r.match for r in served),
+                }
+            )
+    return rows
 
 
 def _link_counters(placement: Placement) -> dict[str, dict[str, int]]:
@@ -617,8 +709,15 @@ def _pd(router_url: str, n: int, options: E2EOptions) -> HTTPResult:
 def _compare(
     n: int, expected: HTTPResult, answer: HTTPResult, concurrent: bool, api: str = "completions"
 ) -> PromptResult:
+    from vllm_nixl_hma import proxy
+
     result = PromptResult(
-        prompt_tokens=n, http_status=answer.status, concurrent=concurrent, api=api
+        prompt_tokens=n,
+        http_status=answer.status,
+        concurrent=concurrent,
+        api=api,
+        prefill=answer.headers.get(proxy.PREFILL_HEADER),
+        decode=answer.headers.get(proxy.DECODE_HEADER),
     )
     if expected.status != 200:
         result.error = f"reference engine: HTTP {expected.status}: {expected.error}"

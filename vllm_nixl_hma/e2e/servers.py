@@ -394,6 +394,8 @@ class HTTPResult:
     status: int
     body: dict[str, Any] | None
     error: str | None = None
+    #: the answer's headers, names in lower case (what ``post_raw`` got)
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def post_json(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
@@ -404,11 +406,13 @@ def post_json(url: str, path: str, payload: dict[str, Any], timeout_s: float) ->
     try:
         body = json.loads(answer.body["text"])
     except json.JSONDecodeError:
-        return HTTPResult(answer.status, None, answer.body["text"][:500])
+        return HTTPResult(answer.status, None, answer.body["text"][:500], answer.headers)
     error = None
     if answer.status != 200:
         error = json.dumps(body.get("error", body) if isinstance(body, dict) else body)[:500]
-    return HTTPResult(answer.status, body if isinstance(body, dict) else None, error)
+    return HTTPResult(
+        answer.status, body if isinstance(body, dict) else None, error, answer.headers
+    )
 
 
 def post_stream(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
@@ -424,8 +428,10 @@ def post_stream(url: str, path: str, payload: dict[str, Any], timeout_s: float) 
         try:
             chunks.append(json.loads(line.removeprefix("data: ")))
         except json.JSONDecodeError:
-            return HTTPResult(answer.status, None, f"not a JSON event: {line[:200]}")
-    return HTTPResult(answer.status, {"chunks": chunks}, None)
+            return HTTPResult(
+                answer.status, None, f"not a JSON event: {line[:200]}", answer.headers
+            )
+    return HTTPResult(answer.status, {"chunks": chunks}, None, answer.headers)
 
 
 def post_raw(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
@@ -442,4 +448,5 @@ def post_raw(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> 
     finally:
         connection.close()
     error = None if response.status == 200 else text[:500]
-    return HTTPResult(response.status, {"text": text}, error)
+    headers = {name.lower(): value for name, value in response.getheaders()}
+    return HTTPResult(response.status, {"text": text}, error, headers)

@@ -452,6 +452,9 @@ def render_e2e(report: dict) -> str:
     if report["faults"]:
         lines.append("")
         lines += render_rows(FAULT_E2E_COLUMNS, report["faults"])
+    if report.get("after_faults"):
+        lines += ["", "after the faults, the same router (its first prefill engine killed):"]
+        lines += render_rows(E2E_COLUMNS + PAIR_COLUMNS, report["after_faults"])
     failed_faults = [f for f in report["faults"] if not f["ok"]]
     for f in failed_faults:
         lines.append(

@@ -30,12 +30,29 @@ def e2e(tmp_path, **options):
     return report, "\n".join(lines) + "\n" + json.dumps(report, indent=1)
 
 
-def assert_every_prompt_matches(report, log):
-    assert len(report["prompts"]) == 9, log
+def assert_every_prompt_matches(report, log, pairs=1):
+    # four prompts one by one, a concurrent batch (three, or two per engine pair)
+    assert len(report["prompts"]) == 4 + (3 if pairs == 1 else 2 * pairs) + 2, log
     # seven completions, then one chat prompt answered whole and streamed
     assert [p["api"] for p in report["prompts"]][-3:] == ["completions", "chat", "chat-stream"]
     for prompt in report["prompts"]:
         assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
+
+
+#: the hosts of a run with two prefill and two decode engines
+TWO_BY_TWO_HOSTS = {"router", "ref", "prefill", "prefill1", "decode", "decode1", "decoderc"}
+
+
+def assert_every_pair_served(report, log):
+    """Two prefill and two decode engines: each decode engine got prompts
+    from each prefill engine, and every one of them matched."""
+    pairs = {(p["prefill"], p["decode"]): p for p in report["pairs"]}
+    assert set(pairs) == {
+        (p, d) for p in ("prefill", "prefill-1") for d in ("decode", "decode-1")
+    }, log
+    for pair in pairs.values():
+        assert pair["routed"] >= 2 and pair["matched"] == pair["routed"], (pair, log)
+    assert {(p["prefill"], p["decode"]) for p in report["prompts"]} == set(pairs), log
 
 
 #: a link that comes back may let the read finish whole: the reference tokens
@@ -107,12 +124,28 @@ def test_ours_dense_across_hosts_matches_one_engine_and_fails_closed_on_every_fa
     across hosts too, and passed the network ones by hand
     (docs/measurements.md)."""
     report, log = e2e(
-        tmp_path, model="dense", p_tp=1, d_tp=1, faults=ALL_FAULTS, separate_hosts=True
+        tmp_path,
+        model="dense",
+        p_tp=1,
+        d_tp=1,
+        faults=ALL_FAULTS,
+        separate_hosts=True,
+        prefills=2,
+        decodes=2,
     )
-    assert_every_prompt_matches(report, log)
-    assert_kv_crossed_the_link(report, log)
+    assert_every_prompt_matches(report, log, pairs=4)
+    assert_every_pair_served(report, log)
+    assert_kv_crossed_the_link(report, log, TWO_BY_TWO_HOSTS)
     assert_every_fault_fails_closed(report, log, ALL_FAULTS)
     assert_no_callback_raised(tmp_path)
+    # prefill was killed last: the router's prompts to it fail, to prefill-1 match
+    after = report["after_faults"]
+    assert {p["prefill"] for p in after} == {"prefill", "prefill-1"}, log
+    for prompt in after:
+        if prompt["prefill"] == "prefill":
+            assert prompt["http_status"] != 200, (prompt, log)
+        else:
+            assert prompt["http_status"] == 200 and prompt["match"], (prompt, log)
     assert report["ok"]
 
 
@@ -124,14 +157,16 @@ def namespaces() -> list[str]:
     return [entry["name"] for entry in json.loads(listed.stdout or "[]")]
 
 
-def assert_kv_crossed_the_link(report, log):
+def assert_kv_crossed_the_link(
+    report, log, hosts=frozenset({"router", "ref", "prefill", "decode", "decoderc"})
+):
     """The hosts' addresses exist only in their namespaces, and what decode's
     NIXL read (vLLM's own byte count) left prefill's interface and entered
     decode's: the KV crossed the link, not shared memory."""
     import subprocess
 
     root_addresses = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True).stdout
-    assert set(report["hosts"]) == {"router", "ref", "prefill", "decode", "decoderc"}, log
+    assert set(report["hosts"]) == set(hosts), log
     for host in report["hosts"].values():
         assert f'"{host["address"]}"' not in root_addresses, (host, log)
         assert f'"{host["data_address"]}"' not in root_addresses, (host, log)
@@ -212,7 +247,15 @@ def test_stock_dense_matches_across_hosts(tmp_path):
     with every engine on a host of its own and the KV across the link (as
     ours does on the hybrid). Stock gets a second run only when its first
     failed on its one-shot first handshake (nothing else), and says so."""
-    options = dict(model="dense", connector="NixlConnector", p_tp=1, d_tp=1, separate_hosts=True)
+    options = dict(
+        model="dense",
+        connector="NixlConnector",
+        p_tp=1,
+        d_tp=1,
+        separate_hosts=True,
+        prefills=2,
+        decodes=2,
+    )
     first = tmp_path / "first"
     first.mkdir()
     report, log = e2e(first, **options)
@@ -222,4 +265,6 @@ def test_stock_dense_matches_across_hosts(tmp_path):
         second.mkdir()
         report, log = e2e(second, **options)
     assert report["ok"], log
-    assert_kv_crossed_the_link(report, log)
+    assert_every_prompt_matches(report, log, pairs=4)
+    assert_every_pair_served(report, log)
+    assert_kv_crossed_the_link(report, log, TWO_BY_TWO_HOSTS)

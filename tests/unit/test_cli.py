@@ -147,3 +147,19 @@ def test_engine_counts_outside_one_to_four_are_usage_errors(tmp_path, capfd):
     assert main(["e2e", "--prefills", "0", "--model", str(tmp_path)]) == ExitCode.USAGE_ERROR
     assert main(["e2e", "--decodes", "5", "--model", str(tmp_path)]) == ExitCode.USAGE_ERROR
     assert "a number of engines from 1 to 4" in capfd.readouterr().err
+
+
+def test_after_a_prefill_engine_is_killed_only_its_own_prompts_may_fail():
+    from vllm_nixl_hma.e2e.run import PromptResult, survivors_served
+
+    def answer(prefill, status, match):
+        return PromptResult(9, match=match, http_status=status, prefill=prefill, decode="decode")
+
+    gone, healthy = answer("prefill", 502, False), answer("prefill-1", 200, True)
+    assert survivors_served([gone, healthy, gone, healthy], gone="prefill")
+    # the healthy engine's prompt must match; the gone engine's must not answer 200
+    assert not survivors_served([gone, answer("prefill-1", 200, False)], gone="prefill")
+    assert not survivors_served([answer("prefill", 200, True), healthy], gone="prefill")
+    # a round that never reached the gone engine (or never the healthy one) proves nothing
+    assert not survivors_served([healthy, healthy], gone="prefill")
+    assert not survivors_served([gone], gone="prefill")

@@ -325,7 +325,6 @@ def _run_engines(
 ) -> dict[str, Any]:
     """The reference, prefill and decode engines, the prompts and the faults;
     every engine started is appended to ``engines``."""
-    from vllm_nixl_hma import proxy
     from vllm_nixl_hma.harness.coordinator import free_port
 
     # 1. the reference: one engine, no connector
@@ -438,7 +437,12 @@ def _run_engines(
     pairs = len(prefills) * len(decodes)
     if pairs > 1:  # the concurrent batch meets every pair twice
         lengths = (lengths[0], concurrent_lengths(lengths[1], 2 * pairs))
-    all_lengths = lengths[0] + lengths[1] + [fault_prompt_tokens(f) for f in options.faults]
+    # after the faults (prefill killed last), the same pairs again: new prompts
+    survivors = "prefill-killed" in options.faults and len(prefills) > 1
+    after_lengths = [n + 1 for n in lengths[1]] if survivors else []
+    all_lengths = (
+        lengths[0] + lengths[1] + after_lengths + [fault_prompt_tokens(f) for f in options.faults]
+    )
     progress(f"reference answers {len(all_lengths) + 1} prompts")
     expected = {
         n: post_json(
@@ -456,16 +460,7 @@ def _run_engines(
         options.request_timeout_s,
     )
     servers.stop(reference)
-    router = proxy.make_server(
-        proxy.PDRouter(
-            [p.url for p in prefills], [d.url for d in decodes], options.request_timeout_s
-        ),
-        placement.router_address,
-        free_port(),
-    )
-    thread = threading.Thread(target=router.serve_forever, daemon=True)
-    thread.start()
-    router_url = f"http://{placement.router_address}:{router.server_address[1]}"
+    router, router_url = _start_router(prefills, decodes, options, placement)
     link_before = _link_counters(placement)
     kv_before = _kv_bytes_read(decode)
     try:
@@ -508,19 +503,65 @@ def _run_engines(
                 placement,
             )
         ]
+    after: list[PromptResult] = []
+    if survivors:
+        progress(f"after the faults, {prefill.name} is gone: P/D prompts of {after_lengths} tokens")
+        router, router_url = _start_router(prefills, decodes, options, placement)
+        try:
+            after = [
+                _compare(n, expected[n], _pd(router_url, n, options), concurrent=False)
+                for n in after_lengths
+            ]
+        finally:
+            router.shutdown()
+            router.server_close()
     name_of = {server.url: server.name for server in started}
-    for result in results:  # the router names engines by URL
+    for result in results + after:  # the router names engines by URL
         result.prefill = name_of.get(result.prefill, result.prefill)
         result.decode = name_of.get(result.decode, result.decode)
     report["prompts"] = [r.as_json() for r in results]
     report["pairs"] = pair_counts(prefills, decodes, results)
+    report["after_faults"] = [r.as_json() for r in after]
     report["ok"] = (
         bool(results)
         and all(r.match and r.http_status == 200 for r in results)
         and all(f["ok"] for f in report["faults"])
         and all(pair["matched"] > 0 for pair in report["pairs"])
+        and survivors_served(after, gone=prefill.name)
     )
     return report
+
+
+def _start_router(prefills, decodes, options, placement):
+    """``vllm-nixl-hma proxy``'s router over every engine, serving on the
+    router's address from a thread; (server, its URL)."""
+    from vllm_nixl_hma import proxy
+    from vllm_nixl_hma.harness.coordinator import free_port
+
+    router = proxy.make_server(
+        proxy.PDRouter(
+            [p.url for p in prefills], [d.url for d in decodes], options.request_timeout_s
+        ),
+        placement.router_address,
+        free_port(),
+    )
+    threading.Thread(target=router.serve_forever, daemon=True).start()
+    return router, f"http://{placement.router_address}:{router.server_address[1]}"
+
+
+def survivors_served(after: list[PromptResult], gone: str) -> bool:
+    """After prefill engine ``gone`` was killed: every prompt routed to it
+    answered an error, every other one the reference's tokens, and both kinds
+    happened (an empty round proves nothing)."""
+    if not after:
+        return True
+    to_gone = [r for r in after if r.prefill == gone]
+    to_others = [r for r in after if r.prefill != gone]
+    return (
+        bool(to_gone and to_others)
+        and all(r.http_status != 200 for r in to_gone)
+        and all(r.http_status == 200 and r.match for r in to_others)
+    )
 
 
 def concurrent_lengths(lengths: list[int], count: int) -> list[int]:

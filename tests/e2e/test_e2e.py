@@ -119,10 +119,13 @@ def test_ours_dense_across_hosts_matches_one_engine_and_fails_closed_on_every_fa
     prefill's data link down for a few seconds while decode reads, the
     prefill host unplugged after prefill answered (before ``read_timeout_s``
     the fail-policy request hung for good), its data link alone unplugged
-    while its side channel answers; prefill killed last. One set of engines
-    for all of them keeps CI short; the hybrid runs the transfer faults
-    across hosts too, and passed the network ones by hand
-    (docs/measurements.md)."""
+    while its side channel answers; prefill killed last. Two prefill and two
+    decode engines behind the router (2P2D): every decode engine reads from
+    every prefill engine, the faults hit the first of each, and after the
+    first prefill engine is killed the router's prompts to the other still
+    match. One set of engines for all of this keeps CI short; the hybrid runs
+    the transfer faults across hosts too, passed the network ones by hand and
+    2P2D on one host (docs/measurements.md)."""
     report, log = e2e(
         tmp_path,
         model="dense",
@@ -208,9 +211,11 @@ def stock_first_handshake_went_unanswered(workdir) -> bool:
     query sometimes goes unanswered (README, Known limits)."""
     from pathlib import Path
 
-    decode_log = Path(workdir) / "decode.log"
-    text = decode_log.read_text(errors="replace") if decode_log.exists() else ""
-    return "handshake_setup_failed" in text and "zmq.error.Again" in text
+    for decode_log in Path(workdir).glob("decode*.log"):  # every decode engine's
+        text = decode_log.read_text(errors="replace")
+        if "handshake_setup_failed" in text and "zmq.error.Again" in text:
+            return True
+    return False
 
 
 def test_ours_sliding_window_matches_one_engine_and_fails_closed(tmp_path):
@@ -244,9 +249,10 @@ def assert_no_callback_raised(workdir):
 
 def test_stock_dense_matches_across_hosts(tmp_path):
     """The harness is not hostile to stock: a dense model at equal TP passes,
-    with every engine on a host of its own and the KV across the link (as
-    ours does on the hybrid). Stock gets a second run only when its first
-    failed on its one-shot first handshake (nothing else), and says so."""
+    with every engine on a host of its own, the KV across the link and two
+    prefill and two decode engines behind the router (as ours does). Stock
+    gets a second run only when its first failed on its one-shot first
+    handshake (nothing else), and says so."""
     options = dict(
         model="dense",
         connector="NixlConnector",

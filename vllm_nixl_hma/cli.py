@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--decodes", type=_engine_count, default=1, metavar="N", help="decode engines (default 1)"
     )
     e2e.add_argument(
+        "--decode-dp",
+        type=_engine_count,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks of each decode engine, each TP --decode-tp (default 1)",
+    )
+    e2e.add_argument(
         "--no-cpu-kernel-block",
         action="store_true",
         help="leave the CPU attention backend's kernel block as vLLM sets it (ratio 1); by "
@@ -523,6 +530,7 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
         link_rate=args.link_rate,
         prefills=args.prefills,
         decodes=args.decodes,
+        decode_dp=args.decode_dp,
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)

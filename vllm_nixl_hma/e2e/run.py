@@ -82,6 +82,8 @@ class E2EOptions:
     #: prefill and decode engines behind the router (xPyD); each pair is routed in turn
     prefills: int = 1
     decodes: int = 1
+    #: data-parallel ranks of each decode engine (each TP ``d_tp``)
+    decode_dp: int = 1
 
 
 @dataclass
@@ -235,6 +237,7 @@ def run_e2e(
         "connector": options.connector,
         "p_tp": options.p_tp,
         "d_tp": options.d_tp,
+        "decode_dp": options.decode_dp,
         "local_ratio": None,
         "remote_ratio": None,
         "prompts": [],
@@ -347,6 +350,8 @@ def _run_engines(
         )
         for role, tp in (("prefill", options.p_tp), ("decode", options.d_tp))
     ]
+    if options.decode_dp > 1:
+        specs[1] = dataclasses.replace(specs[1], dp_size=options.decode_dp, dp_rpc_port=free_port())
     if options.connector == "NixlHMAConnector":
         # Three CPU engines share this host's cores: a prefill engine busy with
         # its first steps has left its side channel unanswered for more than
@@ -377,6 +382,7 @@ def _run_engines(
                 port=free_port(),
                 side_channel_port=free_port(),
                 kv_load_failure_policy="recompute",
+                dp_rpc_port=free_port() if options.decode_dp > 1 else None,
                 **placement.engine("decode-recompute"),
             )
         )
@@ -391,6 +397,7 @@ def _run_engines(
                 name=name,
                 port=free_port(),
                 side_channel_port=free_port(),
+                dp_rpc_port=free_port() if first.dp_size > 1 else None,
                 **placement.engine(name),
             )
             for name in engine_names(role, count)[1:]

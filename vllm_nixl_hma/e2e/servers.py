@@ -65,6 +65,11 @@ class EngineSpec:
     host: str = "127.0.0.1"
     #: the network namespace (``e2e.netns``) the engine runs in; None: this one
     namespace: str | None = None
+    #: data-parallel ranks (``--data-parallel-size``), each with its own engine core,
+    #: KV cache and connector; the side channel of rank k listens on ``side_channel_port`` + k
+    dp_size: int = 1
+    #: with ``dp_size`` > 1: the port of the DP ranks' coordination (``--data-parallel-rpc-port``)
+    dp_rpc_port: int | None = None
 
     def command(self) -> list[str]:
         netns_prefix = [] if self.namespace is None else ["ip", "netns", "exec", self.namespace]
@@ -101,6 +106,10 @@ class EngineSpec:
         ]
         if self.tp_size > 1:
             args += ["--distributed-executor-backend", "mp"]
+        if self.dp_size > 1:
+            args += ["--data-parallel-size", str(self.dp_size)]
+            if self.dp_rpc_port is not None:
+                args += ["--data-parallel-rpc-port", str(self.dp_rpc_port)]
         if self.connector is not None:
             config = {
                 "kv_connector": self.connector,

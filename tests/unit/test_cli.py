@@ -163,3 +163,29 @@ def test_after_a_prefill_engine_is_killed_only_its_own_prompts_may_fail():
     # a round that never reached the gone engine (or never the healthy one) proves nothing
     assert not survivors_served([healthy, healthy], gone="prefill")
     assert not survivors_served([gone], gone="prefill")
+
+
+def test_reads_per_dp_rank_come_from_the_engine_label_of_vllms_nixl_histogram():
+    from vllm_nixl_hma.e2e.run import every_dp_rank_read, kv_reads_by_dp_rank
+
+    class Decode:
+        def __init__(self, text):
+            self.text = text
+
+        def get(self, path):
+            assert path == "/metrics"
+            return 200, self.text
+
+    text = (
+        "# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration\n"
+        'vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.005",model_name="model"} 2.0\n'
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="model"} 5.0\n'
+        'vllm:nixl_xfer_time_seconds_count{engine="1",model_name="model"} 4.0\n'
+        'vllm:nixl_post_time_seconds_count{engine="1",model_name="model"} 9.0\n'
+    )
+    assert kv_reads_by_dp_rank(Decode(text)) == {"0": 5, "1": 4}
+    assert every_dp_rank_read({"decode": {"0": 5, "1": 4}}, 2)
+    # a rank that read nothing, or no metric at all, fails a data-parallel run
+    assert not every_dp_rank_read({"decode": {"0": 9}}, 2)
+    assert not every_dp_rank_read({}, 2)
+    assert every_dp_rank_read(None, 1)

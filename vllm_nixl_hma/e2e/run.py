@@ -498,6 +498,9 @@ def _run_engines(
         report["link"].update(
             _link_report(link_before, _link_counters(placement), kv_before, decode)
         )
+    if options.decode_dp > 1:
+        # which DP ranks read: vLLM labels each rank's NIXL metrics with its engine index
+        report["decode_dp_reads"] = {server.name: kv_reads_by_dp_rank(server) for server in decodes}
     if options.faults:
         report["faults"] = [
             f.as_json()
@@ -530,7 +533,8 @@ def _run_engines(
     report["pairs"] = pair_counts(prefills, decodes, results)
     report["after_faults"] = [r.as_json() for r in after]
     report["ok"] = (
-        bool(results)
+        every_dp_rank_read(report.get("decode_dp_reads"), options.decode_dp)
+        and bool(results)
         and all(r.match and r.http_status == 200 for r in results)
         and all(f["ok"] for f in report["faults"])
         and all(pair["matched"] > 0 for pair in report["pairs"])
@@ -606,6 +610,36 @@ def _link_counters(placement: Placement) -> dict[str, dict[str, int]]:
 
 #: one sample line of vLLM's NIXL bytes histogram on /metrics (labels vary by release)
 _NIXL_BYTES = re.compile(r"^vllm:nixl_bytes_transferred_sum(?:\{[^}]*\})?\s+(\S+)$", re.M)
+
+
+#: one sample of vLLM's NIXL transfer count, labelled with the engine (DP rank) index
+_NIXL_TRANSFERS = re.compile(
+    r'^vllm:nixl_xfer_time_seconds_count\{[^}]*engine="(\d+)"[^}]*\}\s+(\S+)$', re.M
+)
+
+
+def kv_reads_by_dp_rank(decode) -> dict[str, int]:
+    """NIXL transfers each DP rank of ``decode`` finished so far, from its
+    /metrics (vLLM's ``vllm:nixl_xfer_time_seconds`` histogram, per
+    ``engine`` label); {} when the metric is not there."""
+    try:
+        status, text = decode.get("/metrics")
+    except OSError:
+        return {}
+    reads: dict[str, int] = {}
+    for engine, count in _NIXL_TRANSFERS.findall(text) if status == 200 else []:
+        reads[engine] = reads.get(engine, 0) + int(float(count))
+    return reads
+
+
+def every_dp_rank_read(reads_by_engine: dict[str, dict[str, int]] | None, dp_size: int) -> bool:
+    """With data-parallel decode: every rank of every decode engine read KV."""
+    if dp_size <= 1:
+        return True
+    return bool(reads_by_engine) and all(
+        all(reads.get(str(rank), 0) > 0 for rank in range(dp_size))
+        for reads in reads_by_engine.values()
+    )
 
 
 def _kv_bytes_read(decode) -> int | None:

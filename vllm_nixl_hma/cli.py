@@ -443,6 +443,11 @@ def render_e2e(report: dict) -> str:
         paths = ", ".join(f"{name} {'/'.join(p)}" for name, p in cpu["moe_paths"].items())
         lines.append(f"CPU fused MoE (host AMX {amx}{told}): {paths}")
     lines += render_hosts(report)
+    for name, reads in (report.get("decode_dp_reads") or {}).items():
+        lines.append(
+            f"{name}: NIXL reads per data-parallel rank: "
+            + (", ".join(f"rank {rank} {count}" for rank, count in sorted(reads.items())) or "none")
+        )
     columns = E2E_COLUMNS
     if len(report.get("pairs") or ()) > 1:
         columns += PAIR_COLUMNS

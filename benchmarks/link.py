@@ -42,7 +42,6 @@ NIXL_THREADS = int(os.environ.get("BENCH_NIXL_THREADS", "4"))
 DEFAULT_LINK_RATES = ("10gbit", "1gbit")
 #: (layout, --block-size of both engines): None is the attention backend's choice
 LINK_CELLS = (("hybrid", None), ("dense", 128))
-CONNECTORS = {"ours": "NixlHMAConnector", "stock": "NixlConnector"}
 #: how long one raw read or one TCP copy may take before the benchmark gives up
 COPY_TIMEOUT_S = 120.0
 #: UCX as a host without RDMA talks to another: TCP on the data interface (on
@@ -252,39 +251,18 @@ def tcp_seconds(topology, num_bytes: int, repeats: int) -> list[float]:
     )
 
 
-def connector_cells(topology, repeats: int, model_dirs: dict[str, str]) -> list:
-    from vllm_nixl_hma.harness import coordinator
-
-    prefill, decode = topology.hosts["prefill"], topology.hosts["decode"]
-    scenarios = [coordinator.Scenario("mid-block")] + [
-        coordinator.Scenario("one-long") for _ in range(repeats)
-    ]
-    return [
-        coordinator.Cell(
-            layout,
-            model_dirs[layout],
-            p_tp=1,
-            d_tp=1,
-            connector=connector,
-            scenarios=scenarios,
-            num_gpu_blocks=4096,
-            prefill_block_size=block_size,
-            decode_block_size=block_size,
-            prefill_host=prefill.control_address,
-            decode_host=decode.control_address,
-        )
-        for layout, block_size in LINK_CELLS
-        for connector in CONNECTORS.values()
-    ]
-
-
 def link_rows(quick: bool, progress, rates=DEFAULT_LINK_RATES) -> list[dict]:
     """One row per (link rate, layout): ours, stock, raw NIXL and TCP across it."""
+    import harness_cells  # benchmarks/harness_cells.py
+
     from vllm_nixl_hma.e2e import netns
     from vllm_nixl_hma.harness import coordinator
     from vllm_nixl_hma.harness.model_shapes import installed_layouts
 
     repeats = 2 if quick else 5
+    scenarios = [coordinator.Scenario("mid-block")] + [
+        coordinator.Scenario("one-long") for _ in range(repeats)
+    ]
     layouts = installed_layouts()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-link-") as root:
@@ -294,32 +272,30 @@ def link_rows(quick: bool, progress, rates=DEFAULT_LINK_RATES) -> list[dict]:
         }
         for rate in rates:
             with netns.Topology(["prefill", "decode"], link_rate=rate) as topology:
-                namespaces = [topology.hosts[h].namespace for h in ("prefill", "decode")]
+                prefill, decode = topology.hosts["prefill"], topology.hosts["decode"]
                 before = topology.counters("prefill")["tx_bytes"]
                 results = coordinator.run_cells(
-                    connector_cells(topology, repeats, model_dirs),
+                    harness_cells.one_to_one_cells(
+                        LINK_CELLS,
+                        model_dirs,
+                        scenarios,
+                        prefill_host=prefill.control_address,
+                        decode_host=decode.control_address,
+                    ),
                     progress,
                     env=UCX_ACROSS_HOSTS,
-                    namespaces=namespaces,
+                    namespaces=[prefill.namespace, decode.namespace],
                 )
                 link_tx_bytes = topology.counters("prefill")["tx_bytes"] - before
                 kv_bytes = sum(r.bytes for r in results)
-                per_cell = repeats + 1
-                for index, (layout, _) in enumerate(LINK_CELLS):
-                    measured = {}
-                    for offset, name in enumerate(CONNECTORS):
-                        start = (len(CONNECTORS) * index + offset) * per_cell
-                        cell_results = results[start : start + per_cell]
-                        for result in cell_results:
-                            if not result.ok:
-                                raise RuntimeError(
-                                    f"{name} {layout} at {rate} {result.name}: "
-                                    f"{result.error or result.examples}"
-                                )
-                        measured[name] = cell_results[1:]
+                by_layout = harness_cells.measured_by_layout(
+                    results, LINK_CELLS, repeats + 1, f" at {rate}"
+                )
+                for layout, _ in LINK_CELLS:
+                    measured = by_layout[layout]
                     num_bytes = measured["ours"][0].bytes
                     progress(f"link {rate}: raw NIXL and TCP, {num_bytes / 2**20:.0f} MiB")
-                    seconds = {name: [r.seconds for r in measured[name]] for name in CONNECTORS}
+                    seconds = {name: [r.seconds for r in rs] for name, rs in measured.items()}
                     seconds["raw_nixl"] = raw_nixl_seconds(topology, num_bytes, repeats)
                     # raw NIXL in as many descriptors as NIXL moved for ours
                     chunk_bytes = -(-num_bytes // measured["ours"][0].descriptors)
@@ -333,7 +309,7 @@ def link_rows(quick: bool, progress, rates=DEFAULT_LINK_RATES) -> list[dict]:
                             topology.link_rate_bits,
                             layout,
                             num_bytes,
-                            {name: measured[name][0].descriptors for name in CONNECTORS},
+                            {name: rs[0].descriptors for name, rs in measured.items()},
                             seconds,
                             link_tx_bytes / kv_bytes,
                         )

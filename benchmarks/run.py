@@ -401,13 +401,14 @@ def transfer_rows(quick: bool, progress) -> list[dict]:
 
 #: (layout, --block-size of both engines): None is the attention backend's choice
 HARNESS_CELLS = (("hybrid", None), ("gdn", None), ("dense", 128))
-HARNESS_WORKERS = {"ours": "NixlHMAConnector", "stock": "NixlConnector"}
 
 
 def harness_rows(quick: bool, progress) -> list[dict]:
     """Each layout through the check harness's real engines, ours then stock."""
     import tempfile
     from pathlib import Path
+
+    import harness_cells  # benchmarks/harness_cells.py
 
     from vllm_nixl_hma.harness import coordinator
     from vllm_nixl_hma.harness.model_shapes import installed_layouts
@@ -417,40 +418,15 @@ def harness_rows(quick: bool, progress) -> list[dict]:
         coordinator.Scenario("long") for _ in range(repeats)
     ]
     layouts = installed_layouts()
-    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-harness-") as root:
-        cells = []
-        for layout, block_size in HARNESS_CELLS:
-            model_dir = coordinator.model_dir_for(layouts[layout], Path(root))
-            for connector in HARNESS_WORKERS.values():
-                cells.append(
-                    coordinator.Cell(
-                        layout,
-                        model_dir,
-                        p_tp=1,
-                        d_tp=1,
-                        connector=connector,
-                        scenarios=scenarios,
-                        num_gpu_blocks=4096,
-                        prefill_block_size=block_size,
-                        decode_block_size=block_size,
-                    )
-                )
+        model_dirs = {
+            layout: coordinator.model_dir_for(layouts[layout], Path(root))
+            for layout, _ in HARNESS_CELLS
+        }
+        cells = harness_cells.one_to_one_cells(HARNESS_CELLS, model_dirs, scenarios)
         results = coordinator.run_cells(cells, progress)
-    per_cell = len(scenarios)
-    for index, (layout, _) in enumerate(HARNESS_CELLS):
-        measured = {}
-        for offset, name in enumerate(HARNESS_WORKERS):
-            start = (2 * index + offset) * per_cell
-            cell_results = results[start : start + per_cell]
-            for result in cell_results:
-                if not result.ok:
-                    raise RuntimeError(
-                        f"{name} {layout} {result.name}: {result.error or result.examples}"
-                    )
-            measured[name] = cell_results[1:]  # the first batch warms up and handshakes
-        rows.append(harness_row(layout, measured))
-    return rows
+    measured = harness_cells.measured_by_layout(results, HARNESS_CELLS, len(scenarios))
+    return [harness_row(layout, measured[layout]) for layout, _ in HARNESS_CELLS]
 
 
 def harness_row(layout: str, measured: dict[str, list]) -> dict:

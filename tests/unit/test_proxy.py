@@ -16,10 +16,13 @@ KV_PARAMS = {"remote_engine_id": "prefill-engine", "remote_block_ids": [[3, 4]]}
 
 
 class Engine:
-    """Answers every POST with a fixed status and body (chunks for a stream)."""
+    """Answers every POST with a fixed status and body (chunks for a stream);
+    with ``cut_after``, closes the connection after that many bytes of it."""
 
-    def __init__(self, status=200, body=None, chunks=None):
+    def __init__(self, status=200, body=None, chunks=None, cut_after=None):
         self.received: list[dict] = []
+        #: each request's headers, names in lower case
+        self.headers: list[dict[str, str]] = []
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -28,9 +31,17 @@ class Engine:
             def log_message(self, *args):
                 pass
 
+            def do_GET(self):  # noqa: N802 (a router's health checks)
+                data = b"{}" if self.path == "/health" else b'{"error": "no route"}'
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_POST(self):  # noqa: N802
                 length = int(self.headers["Content-Length"])
                 engine.received.append(json.loads(self.rfile.read(length)))
+                engine.headers.append({k.lower(): v for k, v in self.headers.items()})
                 if chunks is not None:
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -45,7 +56,8 @@ class Engine:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                self.wfile.write(data[:cut_after])
+                self.close_connection = cut_after is not None
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -114,6 +126,17 @@ def test_an_engine_error_passes_through_with_its_status(route, failing):
     port = route(bad, ok) if failing == "prefill" else route(ok, bad)
     status, data = post(port, "/v1/completions", {"prompt": [1]})
     assert status == 500 and json.loads(data) == error
+
+
+def test_a_decode_answer_cut_short_never_reaches_the_client_as_a_clean_200(route):
+    """An engine that dies mid-answer leaves fewer bytes than its Content-Length:
+    relayed with a clean end of the chunked answer, the client would read a
+    truncated body under HTTP 200 (no tokens, no error); the router cuts the
+    client's connection instead, so the client sees the answer break."""
+    body = {"choices": [{"text": "abc", "token_ids": [1, 2, 3]}]}
+    port = route(Engine(body={"kv_transfer_params": KV_PARAMS}), Engine(body=body, cut_after=10))
+    with pytest.raises(http.client.IncompleteRead):
+        post(port, "/v1/completions", {"prompt": [1]})
 
 
 def test_a_prefill_without_kv_transfer_params_is_a_502_that_says_why(route):

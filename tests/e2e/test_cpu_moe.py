@@ -89,10 +89,19 @@ def host_amx() -> bool:
     return cpu_moe.host_has_amx()
 
 
-@pytest.mark.parametrize(("choice", "path"), [("amx", "torch"), ("no-amx", "grouped-gemm-vec")])
-def test_each_path_computes_the_moe_layer_right_on_this_host(choice, path):
+def host_kernels() -> bool:
     from vllm_nixl_hma.e2e import cpu_moe
 
+    return cpu_moe.host_has_grouped_gemm_kernels()
+
+
+@pytest.mark.parametrize("choice", ["amx", "no-amx"])
+def test_each_path_computes_the_moe_layer_right_on_this_host(choice):
+    """Told AMX, float32 takes the torch path; told no AMX, the vec grouped
+    GEMM where this host's vLLM library has it (AVX-512), else torch again."""
+    from vllm_nixl_hma.e2e import cpu_moe
+
+    path = "grouped-gemm-vec" if choice == "no-amx" and host_kernels() else "torch"
     seen, log = run(LAYER, choice)
     assert seen["path"] == path
     assert seen["scale"] > 0.01  # not a layer of zeros
@@ -105,7 +114,7 @@ def test_told_the_truth_the_layer_takes_the_hosts_path():
     from vllm_nixl_hma.e2e import cpu_moe
 
     seen, log = run(LAYER, "host")
-    assert seen["path"] == cpu_moe.expected_path(host_amx())
+    assert seen["path"] == cpu_moe.expected_path(host_amx(), grouped_gemm_kernels=host_kernels())
     assert seen["max_error"] < 1e-4 * seen["scale"], seen
     assert cpu_moe.paths_in_log(log) == [(seen["path"], host_amx(), False, "float32")]
 

@@ -47,12 +47,29 @@ PATH_LINE = re.compile(re.escape(PATH_MARK) + r" (\S+) \(AMX (yes|no)(, forced)?
 PATHS = ("grouped-gemm-vec", "grouped-gemm-amx", "torch")
 
 
-def expected_path(amx: bool, dtype: str = "float32") -> str:
+def expected_path(amx: bool, dtype: str = "float32", grouped_gemm_kernels: bool = True) -> str:
     """The path vLLM 0.21.0's CPU fused-MoE layer takes for weights of
-    ``dtype`` whose sizes are multiples of 32 (the embedded hybrid's are)."""
+    ``dtype`` whose sizes are multiples of 32 (the embedded hybrid's are), on
+    a host whose vLLM kernel library has (``grouped_gemm_kernels``) or lacks
+    the grouped-GEMM MoE kernels."""
+    if not grouped_gemm_kernels:
+        return "torch"
     if not amx:
         return "grouped-gemm-vec"
     return "grouped-gemm-amx" if dtype == "bfloat16" else "torch"
+
+
+def host_has_grouped_gemm_kernels() -> bool:
+    """Whether the kernel library vLLM loads on this host has the grouped-GEMM
+    MoE kernels (``prepack_moe_weight``): vLLM 0.21.0's CPU build loads an
+    AVX-512 library that has them, or on a host without AVX-512 an AVX2 one
+    that does not; without them the layer takes the torch path whatever the
+    AMX answer."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, "prepack_moe_weight")
 
 
 def host_has_amx() -> bool:
@@ -170,9 +187,11 @@ def main() -> None:
     prints it before the e2e tests)."""
     choice = os.environ.get(ENV, "host")
     told = "" if choice == "host" else f", told {choice}"
+    kernels = "has" if host_has_grouped_gemm_kernels() else "lacks"
     print(
-        f"cpu_moe: this host {'has' if host_has_amx() else 'lacks'} AMX{told}; vLLM's CPU "
-        f"fused-MoE layer takes the {probe()} path for the embedded hybrid (float32)"
+        f"cpu_moe: this host {'has' if host_has_amx() else 'lacks'} AMX{told}, its vLLM "
+        f"kernel library {kernels} the grouped-GEMM MoE kernels; vLLM's CPU fused-MoE "
+        f"layer takes the {probe()} path for the embedded hybrid (float32)"
     )
 
 

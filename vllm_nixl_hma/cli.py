@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_nixl_hma import __version__
+from vllm_nixl_hma.e2e.routers import ROUTERS  # the standard library only
 
 CONNECTORS = ("NixlHMAConnector", "NixlConnector")
 DEFAULT_TP_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
@@ -148,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="data-parallel ranks of each decode engine, each TP --decode-tp (default 1)",
+    )
+    e2e.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=ROUTERS[0],
+        help="the P/D router the prompts go through: 'proxy' (vllm-nixl-hma proxy, default) "
+        "or 'vllm-router' (vLLM's router, pip install vllm-router; prefill picked round "
+        "robin, decode at random)",
     )
     e2e.add_argument(
         "--no-cpu-kernel-block",
@@ -441,8 +450,14 @@ def render_e2e(report: dict) -> str:
         amx = {True: "yes", False: "no", None: "unknown"}[cpu.get("host_amx")]
         told = "" if cpu.get("amx_told", "host") == "host" else f", told {cpu['amx_told']}"
         paths = ", ".join(f"{name} {'/'.join(p)}" for name, p in cpu["moe_paths"].items())
-        lines.append(f"CPU fused MoE (host AMX {amx}{told}): {paths}")
+        kernels = {True: "yes", False: "no", None: "unknown"}[cpu.get("host_grouped_gemm_kernels")]
+        lines.append(
+            f"CPU fused MoE (host AMX {amx}{told}, grouped-GEMM kernels {kernels}): {paths}"
+        )
     lines += render_hosts(report)
+    if report.get("router"):
+        reads = ", ".join(f"{name} {count}" for name, count in report.get("kv_reads", {}).items())
+        lines.append(f"router {report['router']}; NIXL reads during the P/D prompts: {reads}")
     for name, reads in (report.get("decode_dp_reads") or {}).items():
         lines.append(
             f"{name}: NIXL reads per data-parallel rank: "
@@ -536,6 +551,7 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
         prefills=args.prefills,
         decodes=args.decodes,
         decode_dp=args.decode_dp,
+        router=args.router,
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)

@@ -119,3 +119,33 @@ def test_a_fault_verdict_never_accepts_other_tokens_and_a_flap_may_deliver():
         for policy in faults.POLICIES:
             assert judged(name, policy, 200, [1, 3]) == ("wrong tokens", False)
             assert judged(name, policy, 0, [])[1] is False
+
+
+def test_an_error_event_in_a_200_stream_is_reported_as_the_prompts_error(route):  # noqa: F811
+    """vLLM sends a stream's status before its tokens: a failure after that is
+    an ``error`` event under HTTP 200. The prompt's result must carry it (not
+    a bare ``generated: []``), and never count as a match."""
+    failing_stream = [
+        CHAT_STREAM[0],
+        event({"error": {"message": "KV load failed", "code": 500}}),
+        b"data: [DONE]\n\n",
+    ]
+    port = route(Engine(body={"kv_transfer_params": KV_PARAMS}), Engine(chunks=failing_stream))
+    answer = post_stream(
+        f"http://127.0.0.1:{port}", "/v1/chat/completions", run.chat([5], stream=True), 10
+    )
+    expected = run.HTTPResult(200, {"choices": [{"token_ids": [7], "finish_reason": "length"}]})
+    result = run._compare(1, expected, answer, concurrent=False, api="chat-stream")
+    assert result.http_status == 200 and not result.match
+    assert "KV load failed" in result.error
+    assert result.finish_reason is None
+
+
+def test_a_whole_answer_says_why_it_stopped(route):  # noqa: F811
+    answer_body = {"choices": [{"token_ids": [7, 9], "finish_reason": "abort"}]}
+    port = route(Engine(body={"kv_transfer_params": KV_PARAMS}), Engine(body=answer_body))
+    answer = post_json(f"http://127.0.0.1:{port}", "/v1/completions", run.completion([5]), 10)
+    expected = run.HTTPResult(200, {"choices": [{"token_ids": [7, 9]}]})
+    result = run._compare(1, expected, answer, concurrent=False)
+    assert result.finish_reason == "abort" and result.error is None
+    assert result.generated == [7, 9]

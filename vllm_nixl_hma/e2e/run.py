@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import re
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_nixl_hma.e2e import routers
 from vllm_nixl_hma.e2e.servers import (
     MAX_MODEL_LEN,
     EngineSpec,
@@ -84,6 +86,8 @@ class E2EOptions:
     decodes: int = 1
     #: data-parallel ranks of each decode engine (each TP ``d_tp``)
     decode_dp: int = 1
+    #: the P/D router: ``proxy`` (this package's) or ``vllm-router`` (vLLM's)
+    router: str = "proxy"
 
 
 @dataclass
@@ -101,6 +105,8 @@ class PromptResult:
     #: the engines the router sent it to (names, from its answer's headers)
     prefill: str | None = None
     decode: str | None = None
+    #: why the answer stopped (``length`` when all ``MAX_TOKENS`` came)
+    finish_reason: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
@@ -179,6 +185,26 @@ def _tokens(result: HTTPResult) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
+def _finish_reason(result: HTTPResult) -> str | None:
+    """The last ``finish_reason`` in a completion or a stream's chunks."""
+    body = result.body or {}
+    reasons = [
+        choice.get("finish_reason")
+        for chunk in body.get("chunks", [body])
+        for choice in chunk.get("choices") or []
+    ]
+    return next((r for r in reversed(reasons) if r), None)
+
+
+def _error_in_answer(result: HTTPResult) -> str | None:
+    """What an answer says went wrong although its status was 200: a body that
+    is not a JSON object, an ``error`` object, or an error event in a stream."""
+    if result.body is None:
+        return result.error or "the answer is not a JSON object"
+    errors = [c["error"] for c in result.body.get("chunks", [result.body]) if c.get("error")]
+    return json.dumps(errors[0])[:500] if errors else None
+
+
 #: ``separate_hosts``: the host each engine runs on (the router and this
 #: driver's requests run on ``ROUTER_HOST``)
 HOST_OF_ENGINE = {
@@ -221,6 +247,12 @@ class Placement:
             return "127.0.0.1"
         return self.topology.hosts[ROUTER_HOST].control_address
 
+    @property
+    def router_namespace(self) -> str | None:
+        if self.topology is None:
+            return None
+        return self.topology.hosts[ROUTER_HOST].namespace
+
 
 def run_e2e(
     options: E2EOptions, workdir: Path, progress: Callable[[str], None], verbose: bool = False
@@ -242,13 +274,26 @@ def run_e2e(
         "remote_ratio": None,
         "prompts": [],
         "faults": [],
-        "cpu": {"host_amx": _host_amx(), "amx_told": options.cpu_amx, "moe_paths": {}},
+        "cpu": {
+            "host_amx": _host_amx(),
+            "host_grouped_gemm_kernels": _host_grouped_gemm_kernels(),
+            "amx_told": options.cpu_amx,
+            "moe_paths": {},
+        },
         "start_failure": None,
         "separate_hosts": options.separate_hosts,
         "engines": [],
         "pairs": [],
+        "kv_reads": {},
+        "router": options.router,
         "logs": str(workdir),
     }
+    if options.router == "vllm-router" and routers.vllm_router_binary() is None:
+        error = "vllm-router is not installed: pip install vllm-router"
+        report["start_failure"] = {"engine": "router", "last_error": error}
+        report["error"] = error
+        progress(f"failed: {error}")
+        return report
     engine = dict(
         model_dir=model_dir,
         kernel_block_tokens=options.kernel_block_tokens,
@@ -320,6 +365,15 @@ def _host_amx() -> bool | None:
 
         return cpu_moe.host_has_amx()
     except ImportError:  # no torch here
+        return None
+
+
+def _host_grouped_gemm_kernels() -> bool | None:
+    try:
+        from vllm_nixl_hma.e2e import cpu_moe
+
+        return cpu_moe.host_has_grouped_gemm_kernels()
+    except ImportError:  # no vLLM here
         return None
 
 
@@ -467,9 +521,11 @@ def _run_engines(
         options.request_timeout_s,
     )
     servers.stop(reference)
-    router, router_url = _start_router(prefills, decodes, options, placement)
+    router = _start_router(prefills, decodes, options, placement, servers)
+    router_url = router.url
     link_before = _link_counters(placement)
     kv_before = _kv_bytes_read(decode)
+    reads_before = {d.name: sum(kv_reads_by_dp_rank(d).values()) for d in decodes}
     try:
         for n in lengths[0]:
             progress(f"P/D prompt of {n} tokens")
@@ -492,12 +548,17 @@ def _run_engines(
         )
         results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat-stream"))
     finally:
-        router.shutdown()
-        router.server_close()
+        router.stop()
     if placement.topology is not None:
         report["link"].update(
             _link_report(link_before, _link_counters(placement), kv_before, decode)
         )
+    # a router may send decode a request without prefill's kv_transfer_params
+    # (vllm-router does when prefill returned none): decode then computes the
+    # prompt itself and matches; each decode engine must have read KV
+    report["kv_reads"] = {
+        d.name: sum(kv_reads_by_dp_rank(d).values()) - reads_before[d.name] for d in decodes
+    }
     if options.decode_dp > 1:
         # which DP ranks read: vLLM labels each rank's NIXL metrics with its engine index
         report["decode_dp_reads"] = {server.name: kv_reads_by_dp_rank(server) for server in decodes}
@@ -516,15 +577,14 @@ def _run_engines(
     after: list[PromptResult] = []
     if survivors:
         progress(f"after the faults, {prefill.name} is gone: P/D prompts of {after_lengths} tokens")
-        router, router_url = _start_router(prefills, decodes, options, placement)
+        router = _start_router(prefills, decodes, options, placement, servers)
         try:
             after = [
-                _compare(n, expected[n], _pd(router_url, n, options), concurrent=False)
+                _compare(n, expected[n], _pd(router.url, n, options), concurrent=False)
                 for n in after_lengths
             ]
         finally:
-            router.shutdown()
-            router.server_close()
+            router.stop()
     name_of = {server.url: server.name for server in started}
     for result in results + after:  # the router names engines by URL
         result.prefill = name_of.get(result.prefill, result.prefill)
@@ -538,38 +598,39 @@ def _run_engines(
         and all(r.match and r.http_status == 200 for r in results)
         and all(f["ok"] for f in report["faults"])
         and all(pair["matched"] > 0 for pair in report["pairs"])
-        and survivors_served(after, gone=prefill.name)
+        and all(reads > 0 for reads in report["kv_reads"].values())
+        and survivors_served(
+            after, gone=prefill.name, may_skip_gone=options.router == "vllm-router"
+        )
     )
     return report
 
 
-def _start_router(prefills, decodes, options, placement):
-    """``vllm-nixl-hma proxy``'s router over every engine, serving on the
-    router's address from a thread; (server, its URL)."""
-    from vllm_nixl_hma import proxy
-    from vllm_nixl_hma.harness.coordinator import free_port
-
-    router = proxy.make_server(
-        proxy.PDRouter(
-            [p.url for p in prefills], [d.url for d in decodes], options.request_timeout_s
-        ),
+def _start_router(prefills, decodes, options, placement, servers) -> routers.StartedRouter:
+    """The router ``options.router`` over every engine, on the router's host."""
+    return routers.start_router(
+        options.router,
+        [p.url for p in prefills],
+        [d.url for d in decodes],
         placement.router_address,
-        free_port(),
+        options.request_timeout_s,
+        servers,
+        namespace=placement.router_namespace,
     )
-    threading.Thread(target=router.serve_forever, daemon=True).start()
-    return router, f"http://{placement.router_address}:{router.server_address[1]}"
 
 
-def survivors_served(after: list[PromptResult], gone: str) -> bool:
+def survivors_served(after: list[PromptResult], gone: str, may_skip_gone: bool = False) -> bool:
     """After prefill engine ``gone`` was killed: every prompt routed to it
     answered an error, every other one the reference's tokens, and both kinds
-    happened (an empty round proves nothing)."""
+    happened (an empty round proves nothing). A router that checks its
+    engines' health (``may_skip_gone``: vllm-router, started after the kill)
+    may send nothing to ``gone``; then every prompt must match."""
     if not after:
         return True
     to_gone = [r for r in after if r.prefill == gone]
     to_others = [r for r in after if r.prefill != gone]
     return (
-        bool(to_gone and to_others)
+        bool(to_others and (to_gone or may_skip_gone))
         and all(r.http_status != 200 for r in to_gone)
         and all(r.http_status == 200 and r.match for r in to_others)
     )
@@ -793,13 +854,14 @@ def _compare(
 ) -> PromptResult:
     from vllm_nixl_hma import proxy
 
+    prefill, decode = routers.served_by(answer, proxy.PREFILL_HEADER, proxy.DECODE_HEADER)
     result = PromptResult(
         prompt_tokens=n,
         http_status=answer.status,
         concurrent=concurrent,
         api=api,
-        prefill=answer.headers.get(proxy.PREFILL_HEADER),
-        decode=answer.headers.get(proxy.DECODE_HEADER),
+        prefill=prefill,
+        decode=decode,
     )
     if expected.status != 200:
         result.error = f"reference engine: HTTP {expected.status}: {expected.error}"
@@ -809,6 +871,10 @@ def _compare(
         result.error = answer.error
         return result
     result.generated, logprobs = _tokens(answer)
+    result.finish_reason = _finish_reason(answer)
+    # a stream's status is sent before its tokens: an error after that is an
+    # event in the stream, under HTTP 200
+    result.error = _error_in_answer(answer)
     prefix = 0
     for ours, theirs in zip(result.generated, result.reference, strict=False):
         if ours != theirs:

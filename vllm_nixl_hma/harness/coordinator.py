@@ -124,6 +124,16 @@ class Cell:
     # (a host's own address when the ranks run in network namespaces)
     prefill_host: str = "127.0.0.1"
     decode_host: str = "127.0.0.1"
+    # decode engines (each ``d_tp`` ranks) reading from the one prefill engine,
+    # as the ranks of a data-parallel decode do: engine k is named as vLLM names
+    # DP rank k's engine (``<engine_id>_dp<k>``) and reads requests k, k+n, ...;
+    # prefill must be notified of every request, by whichever engine read it
+    decode_engines: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Rank processes the cell takes: prefill's, then each decode engine's."""
+        return self.p_tp + self.decode_engines * self.d_tp
 
 
 @dataclass
@@ -154,6 +164,9 @@ class ScenarioResult:
     prefill_released_by_expiry: int = 0
     # vLLM 0.33: prefill engines decode's transfer topology knows after the scenario
     remote_engines_registered: int = 0
+    # several decode engines: requests prefill released (notified, or freed by
+    # its lease: ``prefill_released_by_expiry`` counts those), of ``requests``
+    prefill_released: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -168,6 +181,7 @@ class ScenarioResult:
             "leaked_handles",
             "prefill_released_by_expiry",
             "remote_engines_registered",
+            "prefill_released",
             "ids_posted",  # benchmarks/run.py reads these three
             "post_ms",
             "post_cpu_ms",
@@ -356,11 +370,15 @@ def run_cell(
 ) -> list[ScenarioResult]:
     """Set up both engines of a cell on the pool, run its scenarios, tear down."""
     p_ranks = list(range(cell.p_tp))
-    d_ranks = list(range(cell.p_tp, cell.p_tp + cell.d_tp))
+    d_engines = [
+        list(range(cell.p_tp + k * cell.d_tp, cell.p_tp + (k + 1) * cell.d_tp))
+        for k in range(cell.decode_engines)
+    ]
+    d_ranks = [index for ranks in d_engines for index in ranks]
     results = [ScenarioResult(s.name, cell.p_tp, cell.d_tp, cell.layout) for s in cell.scenarios]
     side_channel_port = free_port()
     specs = {}
-    for role, ranks, engine_id, dist_port, connector, model_dir, block_size, host in (
+    engines = [
         (
             "prefill",
             p_ranks,
@@ -370,18 +388,25 @@ def run_cell(
             cell.prefill_model_dir or cell.model_dir,
             cell.prefill_block_size,
             cell.prefill_host,
-        ),
-        (
-            "decode",
-            d_ranks,
-            f"decode-{side_channel_port}",
-            free_port(),
-            cell.connector,
-            cell.model_dir,
-            cell.decode_block_size,
-            cell.decode_host,
-        ),
-    ):
+        )
+    ]
+    for k, ranks in enumerate(d_engines):
+        engine_id = f"decode-{side_channel_port}"
+        if cell.decode_engines > 1:
+            engine_id += f"_dp{k}"  # as vLLM names a data-parallel rank's engine
+        engines.append(
+            (
+                "decode",
+                ranks,
+                engine_id,
+                free_port(),
+                cell.connector,
+                cell.model_dir,
+                cell.decode_block_size,
+                cell.decode_host,
+            )
+        )
+    for role, ranks, engine_id, dist_port, connector, model_dir, block_size, host in engines:
         for tp_rank, index in enumerate(ranks):
             specs[index] = (
                 "setup",
@@ -428,7 +453,7 @@ def run_cell(
                 scenario,
                 result,
                 p_ranks if prefill_alive else [],
-                d_ranks,
+                d_engines,
                 p_info,
                 d_info,
                 side_channel_port,
@@ -456,8 +481,11 @@ def _first_line(error: Exception) -> str:
 
 
 def _run_scenario(
-    pool, cell, scenario, result, p_ranks, d_ranks, p_info, d_info, side_channel_port, rng
+    pool, cell, scenario, result, p_ranks, d_engines, p_info, d_info, side_channel_port, rng
 ) -> None:
+    """One batch: prefill fills, every decode engine reads its share (request
+    i goes to engine i mod n) and checks every slot it holds."""
+    d_ranks = [index for ranks in d_engines for index in ranks]
     prompt_tokens = scenario.prompt_tokens(
         p_info["logical_block_tokens"], d_info["logical_block_tokens"]
     )
@@ -549,8 +577,10 @@ def _run_scenario(
         load_args["first_poll_at_wall_s"] = (
             lease_deadline - lease.DEFAULT_MARGIN_S + LATE_READ_POLL_AFTER_S
         )
-    for index in d_ranks:
-        pool.send(index, "load", load_args)
+    for k, ranks in enumerate(d_engines):
+        share = {**load_args, "requests": load_requests[k :: len(d_engines)]}
+        for index in ranks:
+            pool.send(index, "load", share)
     if scenario.kill_prefill_after_s is not None:
         time.sleep(scenario.kill_prefill_after_s)
         for index in p_ranks:
@@ -563,12 +593,18 @@ def _run_scenario(
             loads[index] = pool._receive(index, COMMAND_TIMEOUT_S)
         except RankError as e:
             load_error = load_error or e
-    if not cell.lose_notifications:  # else prefill serves until its lease frees the blocks
+    # else prefill serves until its lease frees the blocks; with several decode
+    # engines it serves until it released every request (the proof)
+    if not cell.lose_notifications and len(d_engines) == 1:
         for index in serving:
             pool.send(index, "abort")
     for index in serving:
         served = pool._receive(index, COMMAND_TIMEOUT_S)
         result.prefill_released_by_expiry += served["released_by_expiry"]
+        if len(d_engines) > 1:
+            notified = len(set(served["notified"]) & set(request_ids))
+            if result.prefill_released is None or notified < result.prefill_released:
+                result.prefill_released = notified  # the least any prefill rank saw
     if load_error is not None:
         result.error = _first_line(load_error)
         return
@@ -577,8 +613,14 @@ def _run_scenario(
         result.error = "the reads were not all posted inside the lease; no late read happened"
         return
     failed = {rid for load in loads.values() for rid in load["failed"]}
+    # each decode rank loads its engine's share of the requests
+    share_of = {
+        index: set(request_ids[k :: len(d_engines)])
+        for k, ranks in enumerate(d_engines)
+        for index in ranks
+    }
     not_done = {
-        rid for load in loads.values() for rid in set(request_ids) - set(load["done"])
+        rid for index, load in loads.items() for rid in share_of[index] - set(load["done"])
     } - failed
     # A request counts as failed for vLLM only if every block of it was
     # reported invalid: that is what makes the scheduler fail or recompute it.
@@ -612,11 +654,17 @@ def _run_scenario(
             load["remote_agents"] + load["remote_dlists"] for load in loads.values()
         )
 
-    verify_args = {
-        "requests": oracle_requests(d_blocks),
-        "first_logical_index_by_group": [b.first_logical_index_by_group for b in d_blocks],
-    }
-    verdicts = pool.call_all({index: ("verify", verify_args) for index in d_ranks})
+    everyone = oracle_requests(d_blocks)
+    first_indices = [b.first_logical_index_by_group for b in d_blocks]
+    calls = {}
+    for k, ranks in enumerate(d_engines):
+        share = slice(k, None, len(d_engines))
+        verify_args = {
+            "requests": everyone[share],
+            "first_logical_index_by_group": first_indices[share],
+        }
+        calls.update({index: ("verify", verify_args) for index in ranks})
+    verdicts = pool.call_all(calls)
     # vLLM decodes every finished request whose blocks were not all reported invalid
     delivered = {i for i, rid in enumerate(request_ids) if rid not in reported_failed | not_done}
     for verdict in verdicts.values():
@@ -648,7 +696,7 @@ def run_cells(
     """``env``: extra environment of the rank processes (e.g. their log file);
     ``namespaces``: the network namespace of each rank process (prefill's
     ranks come first in every cell), as ``RankPool`` takes them."""
-    size = max(cell.p_tp + cell.d_tp for cell in cells)
+    size = max(cell.ranks for cell in cells)
     started = time.perf_counter()
     pool = RankPool(size, env, namespaces)
     progress(f"{size} rank processes ready in {time.perf_counter() - started:.1f} s")

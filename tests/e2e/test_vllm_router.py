@@ -59,7 +59,7 @@ def test_decode_gets_prefills_kv_transfer_params_key_for_key(vllm_router):
     [prefill_headers], [decode_headers] = prefill.headers, decode.headers
     request_id = decode_headers["x-request-id"]
     assert prefill_headers["x-request-id"] == request_id
-    served = routers.served_by(HTTPResult(200, {"id": f"cmpl-{request_id}"}), "x-none", "x-none")
+    served = routers.served_by(HTTPResult(200, {"id": f"cmpl-{request_id}"}))
     assert served == (prefill.url, decode.url)
 
 
@@ -83,7 +83,7 @@ def test_a_failed_prefill_is_an_error_naming_it_and_decode_is_not_called(vllm_ro
     url = vllm_router([prefill], [decode])
     answer = post_json(url, "/v1/completions", {"prompt": [1], "max_tokens": 4}, 30)
     assert answer.status >= 500 and "prefill broke" in answer.error
-    assert routers.served_by(answer, "x-none", "x-none")[0] == prefill.url
+    assert routers.served_by(answer)[0] == prefill.url
     assert decode.received == []
 
 

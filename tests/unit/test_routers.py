@@ -5,6 +5,8 @@ engines in tests/e2e/test_e2e.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_nixl_hma import proxy
 from vllm_nixl_hma.e2e import routers
 from vllm_nixl_hma.e2e.servers import HTTPResult
@@ -15,7 +17,7 @@ ROUTER_REQUEST_ID = f"___prefill_addr_{P}___decode_addr_{D}_0123456789abcdef0123
 
 
 def served(answer: HTTPResult):
-    return routers.served_by(answer, proxy.PREFILL_HEADER, proxy.DECODE_HEADER)
+    return routers.served_by(answer)
 
 
 def test_our_proxy_names_the_pair_in_headers():
@@ -75,3 +77,12 @@ def test_vllm_router_command_in_a_namespace_with_its_own_metrics_port():
     assert f"--prefill http://{P} --prefill http://10.199.1.6:4103 --decode http://{D}" in joined
     assert "--prometheus-host 10.199.1.1 --prometheus-port 29123" in joined
     assert "--prefill-policy round_robin --decode-policy random" in joined
+
+
+def test_our_proxy_needs_no_install_and_an_unknown_router_is_refused(monkeypatch):
+    assert routers.require_installed("proxy") is None
+    monkeypatch.setattr(routers, "vllm_router_binary", lambda: None)
+    with pytest.raises(routers.RouterUnavailable, match="pip install vllm-router"):
+        routers.require_installed("vllm-router")
+    with pytest.raises(ValueError, match="nginx"):
+        routers.require_installed("nginx")

@@ -32,6 +32,7 @@ __all__ = [
     "ROUTERS",
     "RouterUnavailable",
     "StartedRouter",
+    "require_installed",
     "served_by",
     "start_router",
     "vllm_router_binary",
@@ -67,6 +68,22 @@ def vllm_router_binary() -> str | None:
     if os.access(beside, os.X_OK):
         return beside
     return shutil.which("vllm-router")
+
+
+def require_installed(kind: str) -> str | None:
+    """The binary router ``kind`` runs (None: ours, in a thread); raises
+    ``RouterUnavailable`` naming the install command when it is missing."""
+    if kind not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {kind!r}")
+    if kind == "proxy":
+        return None
+    binary = vllm_router_binary()
+    if binary is None:
+        raise RouterUnavailable(
+            "vllm-router is not installed (pip install vllm-router, or "
+            "pip install 'vllm-nixl-hma[router]')"
+        )
+    return binary
 
 
 def vllm_router_command(
@@ -108,11 +125,11 @@ def start_router(
     start_timeout_s: float = 120.0,
 ) -> StartedRouter:
     """Start router ``kind`` over the engines, serving on ``host``; ready when it returns."""
+    from vllm_nixl_hma import proxy
     from vllm_nixl_hma.harness.coordinator import free_port
 
-    if kind == "proxy":
-        from vllm_nixl_hma import proxy
-
+    binary = require_installed(kind)
+    if binary is None:
         server = proxy.make_server(
             proxy.PDRouter(prefill_urls, decode_urls, request_timeout_s), host, free_port()
         )
@@ -123,14 +140,6 @@ def start_router(
             server.server_close()
 
         return StartedRouter(f"http://{host}:{server.server_address[1]}", stop_proxy)
-    if kind != "vllm-router":
-        raise ValueError(f"router must be one of {ROUTERS}, got {kind!r}")
-    binary = vllm_router_binary()
-    if binary is None:
-        raise RouterUnavailable(
-            "vllm-router is not installed (pip install vllm-router, or "
-            "pip install 'vllm-nixl-hma[router]')"
-        )
     port = free_port()
     command = vllm_router_command(
         binary,
@@ -148,25 +157,22 @@ def start_router(
     return StartedRouter(started.url, lambda: servers.stop(started))
 
 
-def _url(host_port: str) -> str:
-    return host_port if host_port.startswith("http://") else f"http://{host_port}"
-
-
-def served_by(
-    answer: HTTPResult, prefill_header: str, decode_header: str
-) -> tuple[str | None, str | None]:
+def served_by(answer: HTTPResult) -> tuple[str | None, str | None]:
     """(prefill URL, decode URL) of the engines that served ``answer``, as far
     as it tells: our proxy's headers; vllm-router's request id in the answer's
     ``id`` (a stream's chunks carry it too); for an error, the engine its text
     names."""
-    prefill, decode = answer.headers.get(prefill_header), answer.headers.get(decode_header)
+    from vllm_nixl_hma import proxy
+
+    prefill = answer.headers.get(proxy.PREFILL_HEADER)
+    decode = answer.headers.get(proxy.DECODE_HEADER)
     if prefill or decode:
         return prefill, decode
     body = answer.body or {}
     for item in [body, *body.get("chunks", [])]:
         found = _VLLM_ROUTER_ID.search(str(item.get("id") or ""))
         if found:
-            return _url(found.group(1)), _url(found.group(2))
+            return f"http://{found.group(1)}", f"http://{found.group(2)}"
     text = answer.error or ""
     named = {side: url for side, url in _VLLM_ROUTER_ERROR.findall(text)}
     return named.get("Prefill"), named.get("Decode")

@@ -274,12 +274,7 @@ def run_e2e(
         "remote_ratio": None,
         "prompts": [],
         "faults": [],
-        "cpu": {
-            "host_amx": _host_amx(),
-            "host_grouped_gemm_kernels": _host_grouped_gemm_kernels(),
-            "amx_told": options.cpu_amx,
-            "moe_paths": {},
-        },
+        "cpu": {**_host_cpu(), "amx_told": options.cpu_amx, "moe_paths": {}},
         "start_failure": None,
         "separate_hosts": options.separate_hosts,
         "engines": [],
@@ -288,11 +283,12 @@ def run_e2e(
         "router": options.router,
         "logs": str(workdir),
     }
-    if options.router == "vllm-router" and routers.vllm_router_binary() is None:
-        error = "vllm-router is not installed: pip install vllm-router"
-        report["start_failure"] = {"engine": "router", "last_error": error}
-        report["error"] = error
-        progress(f"failed: {error}")
+    try:
+        routers.require_installed(options.router)
+    except routers.RouterUnavailable as e:
+        report["start_failure"] = {"engine": "router", "last_error": str(e)}
+        report["error"] = str(e)
+        progress(f"failed: {e}")
         return report
     engine = dict(
         model_dir=model_dir,
@@ -359,22 +355,17 @@ def run_e2e(
             }
 
 
-def _host_amx() -> bool | None:
+def _host_cpu() -> dict[str, bool | None]:
+    """What decides this host's fused-MoE path (None each without vLLM here)."""
     try:
         from vllm_nixl_hma.e2e import cpu_moe
 
-        return cpu_moe.host_has_amx()
-    except ImportError:  # no torch here
-        return None
-
-
-def _host_grouped_gemm_kernels() -> bool | None:
-    try:
-        from vllm_nixl_hma.e2e import cpu_moe
-
-        return cpu_moe.host_has_grouped_gemm_kernels()
-    except ImportError:  # no vLLM here
-        return None
+        return {
+            "host_amx": cpu_moe.host_has_amx(),
+            "host_grouped_gemm_kernels": cpu_moe.host_has_grouped_gemm_kernels(),
+        }
+    except ImportError:
+        return {"host_amx": None, "host_grouped_gemm_kernels": None}
 
 
 def _run_engines(
@@ -599,9 +590,7 @@ def _run_engines(
         and all(f["ok"] for f in report["faults"])
         and all(pair["matched"] > 0 for pair in report["pairs"])
         and all(reads > 0 for reads in report["kv_reads"].values())
-        and survivors_served(
-            after, gone=prefill.name, may_skip_gone=options.router == "vllm-router"
-        )
+        and survivors_served(after, gone=prefill.name)
     )
     return report
 
@@ -619,18 +608,17 @@ def _start_router(prefills, decodes, options, placement, servers) -> routers.Sta
     )
 
 
-def survivors_served(after: list[PromptResult], gone: str, may_skip_gone: bool = False) -> bool:
+def survivors_served(after: list[PromptResult], gone: str) -> bool:
     """After prefill engine ``gone`` was killed: every prompt routed to it
     answered an error, every other one the reference's tokens, and both kinds
-    happened (an empty round proves nothing). A router that checks its
-    engines' health (``may_skip_gone``: vllm-router, started after the kill)
-    may send nothing to ``gone``; then every prompt must match."""
+    happened (an empty round proves nothing; vllm-router, started after the
+    kill, still sends the dead engine its turn)."""
     if not after:
         return True
     to_gone = [r for r in after if r.prefill == gone]
     to_others = [r for r in after if r.prefill != gone]
     return (
-        bool(to_others and (to_gone or may_skip_gone))
+        bool(to_gone and to_others)
         and all(r.http_status != 200 for r in to_gone)
         and all(r.http_status == 200 and r.match for r in to_others)
     )
@@ -852,9 +840,7 @@ def _pd(router_url: str, n: int, options: E2EOptions) -> HTTPResult:
 def _compare(
     n: int, expected: HTTPResult, answer: HTTPResult, concurrent: bool, api: str = "completions"
 ) -> PromptResult:
-    from vllm_nixl_hma import proxy
-
-    prefill, decode = routers.served_by(answer, proxy.PREFILL_HEADER, proxy.DECODE_HEADER)
+    prefill, decode = routers.served_by(answer)
     result = PromptResult(
         prompt_tokens=n,
         http_status=answer.status,

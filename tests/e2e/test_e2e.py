@@ -9,7 +9,11 @@ even start on the GatedDeltaNet hybrid.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -20,41 +24,101 @@ pytestmark = pytest.mark.e2e
 
 
 def e2e(tmp_path, **options):
-    """The report, and for assertion messages the progress lines and the report."""
+    """The report, and for assertion messages the run's log (``RunLog``)."""
     import json
 
     lines: list[str] = []
     report = run_e2e(E2EOptions(**options), tmp_path, lines.append)
-    # beside the engines' logs, for whoever reads a failed run
+    # whole, beside the engines' logs, for whoever reads a failed run
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
-    return report, (
-        "\n".join(lines) + "\n" + json.dumps(report, indent=1) + "\n" + engine_log_excerpt(tmp_path)
-    )
+    return report, RunLog("\n".join([*lines, report_in_short(report)]), tmp_path)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLog:
+    """The progress lines and the report in short (``str``), and the folder
+    of the engines' logs, which ``failed`` reads."""
+
+    text: str
+    log_dir: Path
+
+    def __str__(self) -> str:
+        return f"{self.text}\n{engine_log_excerpt(self.log_dir)}"
+
+
+def report_in_short(report) -> str:
+    """The report with one line per prompt (its generated token ids left
+    out): CI keeps the head and the tail of a failed run's output, and the
+    whole report pushed the engines' lines out of both."""
+    import json
+
+    rest = {key: value for key, value in report.items() if key != "prompts"}
+    shown = [
+        json.dumps({key: value for key, value in prompt.items() if key != "generated"})
+        for prompt in report.get("prompts", [])
+    ]
+    return "\n".join(["report, prompts one a line:", *shown, json.dumps(rest, indent=1)])
 
 
 #: engine log lines that say why a request failed (ours, vLLM's errors)
 WHY_A_REQUEST_FAILED = ("NixlHMAConnector", "ERROR", "Traceback", "Error:")
+#: a traceback's frames and source lines, as vLLM's logger prints them: not the why
+TRACEBACK_FRAME = re.compile(r"\]\s{2,}|\] Traceback \(most recent call last\)")
+#: the time vLLM's logger stamps on a line (local time, no year)
+LOG_TIME = re.compile(r" (\d\d-\d\d \d\d:\d\d:\d\d) ")
+#: engine lines this long after a failed request's answer still belong to it
+#: (vLLM's pre-aborted copy of a failed request handshakes once more)
+AFTER_ANSWER_S = 30.0
 
 
-def engine_log_excerpt(log_dir, lines_per_engine: int = 25) -> str:
-    """The last lines of each engine's log that say why something failed: CI
-    keeps only the end of a failed run's output, not the engines' logs."""
+def _logged_at(line: str) -> float | None:
+    stamp = LOG_TIME.search(line)
+    if stamp is None:
+        return None
+    year = time.localtime().tm_year
+    return time.mktime(time.strptime(f"{year}-{stamp.group(1)}", "%Y-%m-%d %H:%M:%S"))
+
+
+def engine_log_excerpt(log_dir, lines_per_engine: int = 25, between=None) -> str:
+    """Each engine's log lines that say why something failed, traceback
+    frames left out: the last ``lines_per_engine``, or with ``between``
+    (wall-clock seconds, first and last) every one stamped then. CI keeps
+    only the end of a failed run's output, not the engines' logs."""
     parts = []
-    for path in sorted(log_dir.glob("*.log")):
+    for path in sorted(Path(log_dir).glob("*.log")):
         said = [
             line.rstrip()[:300]
             for line in path.read_text(errors="replace").splitlines()
             if any(word in line for word in WHY_A_REQUEST_FAILED)
+            and not TRACEBACK_FRAME.search(line)
         ]
-        if said:
+        if between is not None:
+            first, last = between
+            said = [
+                line
+                for line in said
+                if (at := _logged_at(line)) is not None and first - 1.0 <= at <= last + 1.0
+            ]
+            if said:
+                parts.append(f"--- {path.name}, while it ran")
+                parts.extend(said)
+        elif said:
             parts.append(f"--- {path.name}, last {lines_per_engine} of {len(said)}")
             parts.extend(said[-lines_per_engine:])
     return "\n".join(parts)
 
 
 def failed(what, log) -> str:
-    """An assertion message: the run's log, then what failed (CI shows the end)."""
-    return f"{log}\n=== failed: {what}"
+    """An assertion message: the run's log, then what failed and, for a
+    prompt or a fault cell, what the engines said while it ran (CI shows the
+    end of the output)."""
+    message = f"{log}\n=== failed: {what}"
+    if isinstance(log, RunLog) and isinstance(what, dict) and what.get("sent_at"):
+        window = (what["sent_at"], what.get("answered_at", what["sent_at"]) + AFTER_ANSWER_S)
+        message += "\n=== the engines while it ran:\n" + engine_log_excerpt(
+            log.log_dir, between=window
+        )
+    return message
 
 
 def assert_every_prompt_matches(report, log, pairs=1):
@@ -254,8 +318,6 @@ def stock_first_handshake_went_unanswered(workdir) -> bool:
     an unanswered first query fails the request, and stock 0.21.0's decode
     engine then dies (KeyError in get_finished). On this 2-core host that first
     query sometimes goes unanswered (README, Known limits)."""
-    from pathlib import Path
-
     for decode_log in Path(workdir).glob("decode*.log"):  # every decode engine's
         text = decode_log.read_text(errors="replace")
         if "handshake_setup_failed" in text and "zmq.error.Again" in text:
@@ -268,7 +330,6 @@ def test_ours_sliding_window_matches_one_engine_and_fails_closed(tmp_path):
     longer), 1 -> 1, as vLLM 0.21.0 runs it with a connector: HMA off, the
     window layer's blocks kept as full attention, its kernel still windowed.
     Every prompt, then every fault under both policies."""
-    from pathlib import Path
 
     report, log = e2e(tmp_path, model="swa", p_tp=1, d_tp=1, faults=FAULTS)
     # vLLM saw the sliding window (and folded it into one group)
@@ -285,7 +346,6 @@ def assert_no_callback_raised(workdir):
     with no KV cache group (the serving layer's pre-aborted copy after an
     error answer) in the dense decode engines; concurrent.futures logs and
     swallows it, so only the logs tell."""
-    from pathlib import Path
 
     for log in Path(workdir).glob("decode*.log"):
         text = log.read_text(errors="replace")

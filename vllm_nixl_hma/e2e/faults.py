@@ -92,6 +92,10 @@ class FaultResult:
     next_request_ok: bool = False
     ok: bool = False
     error: str | None = None
+    #: wall-clock seconds the cell's broken request went out and its next
+    #: request's answer ended (what engine log lines are matched against)
+    sent_at: float = 0.0
+    answered_at: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

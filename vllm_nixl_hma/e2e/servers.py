@@ -9,6 +9,7 @@ however the block ends (success, exception, timeout, Ctrl-C).
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -405,6 +406,14 @@ class HTTPResult:
     error: str | None = None
     #: the answer's headers, names in lower case (what ``post_raw`` got)
     headers: dict[str, str] = field(default_factory=dict)
+    #: wall-clock seconds (``time.time()``) the request went out and its answer
+    #: ended: what an engine log's lines are matched against
+    sent_at: float = 0.0
+    answered_at: float = 0.0
+
+    def answered(self, status: int, body: dict[str, Any] | None, error: str | None) -> HTTPResult:
+        """Another reading of the same answer: its headers and times kept."""
+        return dataclasses.replace(self, status=status, body=body, error=error)
 
 
 def post_json(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
@@ -415,13 +424,11 @@ def post_json(url: str, path: str, payload: dict[str, Any], timeout_s: float) ->
     try:
         body = json.loads(answer.body["text"])
     except json.JSONDecodeError:
-        return HTTPResult(answer.status, None, answer.body["text"][:500], answer.headers)
+        return answer.answered(answer.status, None, answer.body["text"][:500])
     error = None
     if answer.status != 200:
         error = json.dumps(body.get("error", body) if isinstance(body, dict) else body)[:500]
-    return HTTPResult(
-        answer.status, body if isinstance(body, dict) else None, error, answer.headers
-    )
+    return answer.answered(answer.status, body if isinstance(body, dict) else None, error)
 
 
 def post_stream(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
@@ -437,10 +444,8 @@ def post_stream(url: str, path: str, payload: dict[str, Any], timeout_s: float) 
         try:
             chunks.append(json.loads(line.removeprefix("data: ")))
         except json.JSONDecodeError:
-            return HTTPResult(
-                answer.status, None, f"not a JSON event: {line[:200]}", answer.headers
-            )
-    return HTTPResult(answer.status, {"chunks": chunks}, None, answer.headers)
+            return answer.answered(answer.status, None, f"not a JSON event: {line[:200]}")
+    return answer.answered(answer.status, {"chunks": chunks}, None)
 
 
 def post_raw(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> HTTPResult:
@@ -448,14 +453,15 @@ def post_raw(url: str, path: str, payload: dict[str, Any], timeout_s: float) -> 
     host_port = url.removeprefix("http://")
     host, _, port = host_port.partition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    sent_at = time.time()
     try:
         connection.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
         response = connection.getresponse()
         text = response.read().decode(errors="replace")
     except (OSError, http.client.HTTPException) as e:
-        return HTTPResult(0, None, f"{type(e).__name__}: {e}")
+        return HTTPResult(0, None, f"{type(e).__name__}: {e}", {}, sent_at, time.time())
     finally:
         connection.close()
     error = None if response.status == 200 else text[:500]
     headers = {name.lower(): value for name, value in response.getheaders()}
-    return HTTPResult(response.status, {"text": text}, error, headers)
+    return HTTPResult(response.status, {"text": text}, error, headers, sent_at, time.time())

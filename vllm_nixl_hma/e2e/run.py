@@ -58,6 +58,9 @@ E2E_SIDE_CHANNEL_TIMEOUT_S = 15.0
 #: how long ours lets a read stay in flight in e2e (``read_timeout_s``): a vanished
 #: prefill host's read is given up well inside the request timeout
 E2E_READ_TIMEOUT_S = 20.0
+#: how long ours lets each engine worker's NIXL progress thread wait between
+#: polls in e2e (``progress_thread_delay_us``; NIXL rounds it up to 1 ms)
+E2E_PROGRESS_THREAD_DELAY_US = 1000
 #: the chat prompt's length in tokens (the tiny models' tokenizer has a word per token)
 CHAT_PROMPT_TOKENS = 300
 #: the embedded models ship no chat template: the messages' text, as it is
@@ -107,6 +110,10 @@ class PromptResult:
     decode: str | None = None
     #: why the answer stopped (``length`` when all ``MAX_TOKENS`` came)
     finish_reason: str | None = None
+    #: wall-clock seconds the request went out and its answer ended (what
+    #: engine log lines are matched against when it failed)
+    sent_at: float = 0.0
+    answered_at: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
         row = asdict(self)
@@ -398,11 +405,14 @@ def _run_engines(
     if options.decode_dp > 1:
         specs[1] = dataclasses.replace(specs[1], dp_size=options.decode_dp, dp_rpc_port=free_port())
     if options.connector == "NixlHMAConnector":
-        # Three CPU engines share this host's cores: a prefill engine busy with
-        # its first steps has left its side channel unanswered for more than
-        # 5 s (upstream's fixed wait) on a first handshake, and decode then
-        # fails the request, correctly but for the host's sake. Ours takes a
-        # longer wait from kv_connector_extra_config; stock cannot.
+        # Several CPU engines share this host's cores: a prefill engine busy
+        # with its first steps has left its side channel unanswered for more
+        # than 5 s (upstream's fixed wait) on a first handshake, and decode
+        # then fails the request, correctly but for the host's sake. Ours
+        # takes a longer wait from kv_connector_extra_config; stock cannot.
+        # And each engine worker's NIXL progress thread polls without pause
+        # unless told to wait: with seven engines on 2 cores those threads
+        # starved the side channel past even 15 s (core/progress_thread.py).
         specs = [
             dataclasses.replace(
                 spec,
@@ -410,6 +420,7 @@ def _run_engines(
                     **spec.extra_config,
                     "side_channel_timeout_s": E2E_SIDE_CHANNEL_TIMEOUT_S,
                     "read_timeout_s": E2E_READ_TIMEOUT_S,
+                    "progress_thread_delay_us": E2E_PROGRESS_THREAD_DELAY_US,
                 },
             )
             for spec in specs
@@ -823,6 +834,8 @@ def _fault_cells(
         else:
             follow_up = body
         next_answer = post_json(decode_server.url, "/v1/completions", follow_up, t)
+        result.sent_at = round(answer.sent_at, 2)
+        result.answered_at = round(next_answer.answered_at, 2)
         result.next_request_ok = (
             next_answer.status == 200 and _tokens(next_answer)[0] == expected_tokens
         )
@@ -848,6 +861,8 @@ def _compare(
         api=api,
         prefill=prefill,
         decode=decode,
+        sent_at=round(answer.sent_at, 2),
+        answered_at=round(answer.answered_at, 2),
     )
     if expected.status != 200:
         result.error = f"reference engine: HTTP {expected.status}: {expected.error}"

@@ -149,6 +149,15 @@ Reads spread over NIXL's threads (``__init__``)
     without UCX threads (other backends, ``num_threads`` 0) is built as
     upstream builds it. Remove when: NIXL splits by bytes, or upstream sets it.
 
+A progress thread that can pause (``__init__``, opt-in)
+    Why: NIXL's Python API builds every agent with a progress thread that
+    polls UCX without pause, a core per engine worker even when idle; on a
+    small host several engines' threads starved the side channel until a
+    first handshake timed out (``progress_thread`` has the numbers). How:
+    with ``progress_thread_delay_us`` in ``kv_connector_extra_config``, the
+    agent is built with that wait between polls; absent, as NIXL builds it.
+    Remove when: NIXL's Python API takes the delay itself.
+
 ``_validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)``
     Why: upstream accepts a Mamba hybrid peer with another ratio while prefix
     caching is on, and the mismatch surfaces mid-request. How:
@@ -181,6 +190,7 @@ from vllm_nixl_hma.core import (  # noqa: E402
     addresses,
     blocks,
     lease,
+    progress_thread,
     read_threads,
     upstream_contract,
 )
@@ -201,22 +211,27 @@ __all__ = [
 logger = init_logger(f"vllm.{__name__}")
 
 
-def build_nixl_agent(agent_cls, name: str, config, split_batch_size: int):
+def build_nixl_agent(
+    agent_cls, name: str, config, split_batch_size: int, progress_delay_us: int | None = None
+):
     """``agent_cls(name, config)`` (NIXL's ``nixl_agent``), with UCX's
-    ``split_batch_size`` when ``config`` asks for UCX alone with threads;
-    any other agent is built exactly as asked (see ``read_threads``), and so
-    is one whose class cannot add a backend after it is built (``NixlWrapper``
-    stand-ins, such as vLLM's own tests use)."""
-    if (
-        config is None
-        or list(config.backends) != ["UCX"]
-        or config.num_threads < 1
-        or not callable(getattr(agent_cls, "create_backend", None))
-    ):
-        return agent_cls(name, config)
-    without_backends = copy.copy(config)
-    without_backends.backends = []
-    agent = agent_cls(name, without_backends)
+    ``split_batch_size`` when ``config`` asks for UCX alone with threads,
+    and with ``progress_delay_us`` as its progress thread's wait between
+    polls when given (``progress_thread``); any other agent is built exactly
+    as asked (see ``read_threads``), and so is one whose class cannot add a
+    backend after it is built (``NixlWrapper`` stand-ins, such as vLLM's own
+    tests use)."""
+    with progress_thread.agents_built_with_delay(agent_cls, progress_delay_us):
+        if (
+            config is None
+            or list(config.backends) != ["UCX"]
+            or config.num_threads < 1
+            or not callable(getattr(agent_cls, "create_backend", None))
+        ):
+            return agent_cls(name, config)
+        without_backends = copy.copy(config)
+        without_backends.backends = []
+        agent = agent_cls(name, without_backends)
     agent.create_backend(
         "UCX", read_threads.ucx_backend_params(config.num_threads, split_batch_size)
     )
@@ -251,8 +266,10 @@ class NixlHMAConnectorWorker(
 
         Also: upstream's ``NixlWrapper`` is ``build_nixl_agent`` meanwhile, so
         that a read of our run descriptors is spread over NIXL's threads (see
-        the ledger); ``kv_connector_extra_config`` ``split_batch_size`` is
-        checked here, before any agent exists, and so are ``read_timeout_s`` and
+        the ledger), and with ``progress_thread_delay_us`` when that is set
+        (``progress_thread``); ``kv_connector_extra_config``
+        ``split_batch_size`` and ``progress_thread_delay_us`` are checked
+        here, before any agent exists, and so are ``read_timeout_s`` and
         ``UCX_NET_DEVICES`` (``addresses.check_at_start``).
         """
         contract = upstream_contract.V021
@@ -268,6 +285,7 @@ class NixlHMAConnectorWorker(
         )
         extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
         split_batch_size = read_threads.split_batch_size_from(extra_config)
+        progress_delay_us = progress_thread.delay_us_from(extra_config)
         lease.configured_read_timeout_s(extra_config)  # a bad read_timeout_s stops startup
         addresses.check_at_start()  # UCX_NET_DEVICES names devices this host has
 
@@ -282,7 +300,9 @@ class NixlHMAConnectorWorker(
         upstream_agent_cls = upstream_worker_module.NixlWrapper
 
         def agent_spreading_reads(name, config):
-            return build_nixl_agent(upstream_agent_cls, name, config, split_batch_size)
+            return build_nixl_agent(
+                upstream_agent_cls, name, config, split_batch_size, progress_delay_us
+            )
 
         upstream_worker_module.derive_mamba_conv_split = split_for_this_rank
         if upstream_agent_cls is not None:  # None: upstream refuses to start

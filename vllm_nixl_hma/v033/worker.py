@@ -13,6 +13,10 @@ keeps the constructor:
   disagree on where the local conv parts lie, since upstream's local
   descriptors come from its own. A state ``mamba_conv`` does not describe
   (Mamba1, MLA with SSM) keeps upstream's offsets, with a warning.
+* ``__init__`` with ``progress_thread_delay_us`` in
+  ``kv_connector_extra_config`` (opt-in): upstream's NIXL agent is built with
+  that wait between its progress thread's polls (``progress_thread``); NIXL's
+  Python API builds it polling without pause, a core per engine worker.
 * ``_nixl_handshake``: refuses, before dialing, a side-channel host that can
   only name decode's own machine (``0.0.0.0``, loopback) while decode's own
   is on a network (``addresses``); upstream dials it and talks to itself.
@@ -78,7 +82,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec  # noqa: E402
 
-from vllm_nixl_hma.core import addresses, blocks, lease, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core import (  # noqa: E402
+    addresses,
+    blocks,
+    lease,
+    progress_thread,
+    upstream_contract,
+)
 from vllm_nixl_hma.core.errors import UnsupportedModelError  # noqa: E402
 from vllm_nixl_hma.core.groups import group_kinds  # noqa: E402
 from vllm_nixl_hma.core.state_split import derive_state_split  # noqa: E402
@@ -122,7 +132,14 @@ class NixlHMAConnectorWorker(PeerChecks, ReadPath, LeaseChecks, NixlPullConnecto
             logger.warning_once("NixlHMAConnector: %s", nixl_note)
         contract.require_worker_class(NixlPullConnectorWorker)
         addresses.check_at_start()  # UCX_NET_DEVICES names devices this host has
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        progress_delay_us = progress_thread.delay_us_from(extra_config)
+        if progress_delay_us is None:
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        else:
+            self._init_with_progress_delay(
+                vllm_config, engine_id, kv_cache_config, progress_delay_us
+            )
         contract.require_state(
             self, contract.worker_state, NixlPullConnectorWorker, "its constructor"
         )
@@ -157,6 +174,34 @@ class NixlHMAConnectorWorker(PeerChecks, ReadPath, LeaseChecks, NixlPullConnecto
                 "by vLLM's MambaConvSplitInfo"
             )
         self._split = split
+
+    def _init_with_progress_delay(
+        self, vllm_config, engine_id: str, kv_cache_config: KVCacheConfig, delay_us: int
+    ) -> None:
+        """Upstream's constructor, with its NIXL agent built with a progress
+        thread that waits ``delay_us`` between polls (``progress_thread``):
+        while it runs, ``NixlWrapper`` in upstream's base worker module builds
+        the agent inside ``progress_thread.agents_built_with_delay``."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+        upstream_contract.require(
+            base_worker,
+            ("NixlWrapper",),
+            owner_name=base_worker.__name__,
+            release=upstream_contract.V033.release,
+        )
+        upstream_agent_cls = base_worker.NixlWrapper
+
+        def agent_with_delay(name, config):
+            with progress_thread.agents_built_with_delay(upstream_agent_cls, delay_us):
+                return upstream_agent_cls(name, config)
+
+        if upstream_agent_cls is not None:  # None: upstream refuses to start
+            base_worker.NixlWrapper = agent_with_delay
+        try:
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        finally:
+            base_worker.NixlWrapper = upstream_agent_cls
 
     @functools.cached_property
     def _group_kinds(self) -> tuple[blocks.GroupKind, ...]:

@@ -124,7 +124,9 @@ class NixlHMAConnectorWorker(PeerChecks, ReadPath, LeaseChecks, NixlPullConnecto
         refusing them would take away what stock serves. Remove when:
         upstream reads replicated SSM groups right. Before upstream's
         constructor, a ``UCX_NET_DEVICES`` naming a device this host lacks
-        stops startup (``addresses.check_at_start``).
+        stops startup (``addresses.check_at_start``), and so does a bad
+        ``progress_thread_delay_us``; with a good one, upstream's constructor
+        builds its NIXL agent with that delay (``_init_with_progress_delay``).
         """
         contract = upstream_contract.V033
         nixl_note = _compat.untested_nixl()

@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     e2e.add_argument("--json", action="store_true", help="one JSON object on stdout")
     e2e.add_argument("-v", "--verbose", action="store_true", help="show the engines' logs live")
+    from vllm_nixl_hma import proxy as proxy_limits  # standard library only
+
     proxy = subcommands.add_parser(
         "proxy",
         help="an OpenAI-compatible P/D router: prefill with max_tokens=1, then decode",
@@ -212,6 +214,27 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8192)
+    proxy.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="an engine that answers nothing for S seconds is a 504 (default 600)",
+    )
+    proxy.add_argument(
+        "--client-timeout",
+        type=float,
+        default=proxy_limits.CLIENT_TIMEOUT_S,
+        metavar="S",
+        help="a client that sends nothing of its request for S seconds is dropped (default 30)",
+    )
+    proxy.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=proxy_limits.MAX_BODY_BYTES,
+        metavar="N",
+        help="a request body over N bytes is a 413 (default 8 MiB)",
+    )
     return parser
 
 
@@ -579,7 +602,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from vllm_nixl_hma import proxy
 
             print(f"P/D router on http://{args.host}:{args.port}", file=sys.stderr)
-            proxy.serve(args.prefill, args.decode, args.host, args.port)
+            proxy.serve(
+                args.prefill,
+                args.decode,
+                args.host,
+                args.port,
+                timeout_s=args.engine_timeout,
+                client_timeout_s=args.client_timeout,
+                max_body_bytes=args.max_body_bytes,
+            )
             return ExitCode.OK
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED

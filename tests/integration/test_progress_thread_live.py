@@ -3,16 +3,19 @@ one stops spinning a core, and a read from an owner that never calls NIXL
 itself (as an idle prefill engine does not) still completes, byte for byte.
 
 The CPU figures are compared with each other in one run, not with a fixed
-time: an agent as NIXL builds it polls without pause (a full core when the
-host has one free); the delayed one blocks in ``poll`` between UCX events.
+time, and count only the threads the measured agent started (agents other
+tests left in the process spin too): an agent as NIXL builds it polls
+without pause (a full core when the host has one free); the delayed one
+blocks in ``poll`` between UCX events.
 """
 
 from __future__ import annotations
 
-import resource
+import os
 import time
 import types
 import uuid
+from pathlib import Path
 
 import pytest
 from nixl._api import nixl_agent, nixl_agent_config
@@ -31,26 +34,46 @@ def vllm_like_config():
     return nixl_agent_config(num_threads=4, capture_telemetry=True)
 
 
-def process_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+def thread_ids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
-def idle_cpu_share(agent) -> float:
-    """Cores this process used while ``agent`` existed and nothing ran."""
+def threads_cpu_s(thread_ids_: set[str]) -> float:
+    """CPU seconds these threads of this process used (gone ones count 0)."""
+    ticks = 0
+    for tid in thread_ids_:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the name: state is field 3
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_share(build):
+    """Cores the threads ``build()`` started used while nothing ran: only the
+    new agent's threads count, not other agents earlier tests left in this
+    process. Returns the share and the agent."""
+    before = thread_ids()
+    agent = build()
+    started = thread_ids() - before
     time.sleep(0.3)  # past the agent's start
-    cpu, wall = process_cpu_s(), time.monotonic()
+    cpu, wall = threads_cpu_s(started), time.monotonic()
     time.sleep(IDLE_S)
-    share = (process_cpu_s() - cpu) / (time.monotonic() - wall)
-    del agent
-    return share
+    return (threads_cpu_s(started) - cpu) / (time.monotonic() - wall), agent
 
 
 def test_an_idle_agent_with_a_delay_stops_spinning_a_core():
-    as_nixl_builds_it = idle_cpu_share(nixl_agent(f"spins-{uuid.uuid4()}", vllm_like_config()))
-    with agents_built_with_delay(nixl_agent, 1000):
-        delayed = nixl_agent(f"waits-{uuid.uuid4()}", vllm_like_config())
-    with_delay = idle_cpu_share(delayed)
+    as_nixl_builds_it, _ = idle_cpu_share(
+        lambda: nixl_agent(f"spins-{uuid.uuid4()}", vllm_like_config())
+    )
+
+    def delayed():
+        with agents_built_with_delay(nixl_agent, 1000):
+            return nixl_agent(f"waits-{uuid.uuid4()}", vllm_like_config())
+
+    with_delay, _ = idle_cpu_share(delayed)
     # measured on the 2-core CI host: 1.0 and 0.02 cores
     assert as_nixl_builds_it > 4 * with_delay, (as_nixl_builds_it, with_delay)
     assert with_delay < 0.25, with_delay
@@ -129,11 +152,14 @@ def config_with(extra_config):
 
 def test_our_worker_builds_its_agent_with_the_configured_delay(upstream_constructor):
     upstream_agent_cls = upstream_worker_module.NixlWrapper
-    ours = NixlHMAConnectorWorker(config_with({"progress_thread_delay_us": 1000}), "engine", None)
-    with_delay = idle_cpu_share(ours.nixl_wrapper)
-    del ours
-    unset = NixlHMAConnectorWorker(config_with({}), "engine", None)
-    as_nixl_builds_it = idle_cpu_share(unset.nixl_wrapper)
+    with_delay, _ = idle_cpu_share(
+        lambda: NixlHMAConnectorWorker(
+            config_with({"progress_thread_delay_us": 1000}), "engine", None
+        )
+    )
+    as_nixl_builds_it, _ = idle_cpu_share(
+        lambda: NixlHMAConnectorWorker(config_with({}), "engine", None)
+    )
     assert as_nixl_builds_it > 4 * with_delay, (as_nixl_builds_it, with_delay)
     assert upstream_worker_module.NixlWrapper is upstream_agent_cls  # put back
 

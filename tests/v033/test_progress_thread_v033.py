@@ -4,28 +4,48 @@ building its agent as 0.33.0 does, through ``base_worker.NixlWrapper``)."""
 
 from __future__ import annotations
 
-import resource
+import os
 import time
 import types
 import uuid
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.vllm033
 
 
-def process_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+IDLE_S = 1.5
 
 
-def idle_cpu_share(agent) -> float:
-    time.sleep(0.3)
-    cpu, wall = process_cpu_s(), time.monotonic()
-    time.sleep(1.5)
-    share = (process_cpu_s() - cpu) / (time.monotonic() - wall)
-    del agent
-    return share
+def thread_ids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def threads_cpu_s(thread_ids_: set[str]) -> float:
+    """CPU seconds these threads of this process used (gone ones count 0)."""
+    ticks = 0
+    for tid in thread_ids_:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the name: state is field 3
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_share(build):
+    """Cores the threads ``build()`` started used while nothing ran: only the
+    new agent's threads count, not other agents earlier tests left in this
+    process. Returns the share and the agent."""
+    before = thread_ids()
+    agent = build()
+    started = thread_ids() - before
+    time.sleep(0.3)  # past the agent's start
+    cpu, wall = threads_cpu_s(started), time.monotonic()
+    time.sleep(IDLE_S)
+    return (threads_cpu_s(started) - cpu) / (time.monotonic() - wall), agent
 
 
 @pytest.fixture
@@ -65,12 +85,13 @@ def test_the_configured_delay_stops_the_agents_progress_thread_spinning(upstream
     from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
 
     upstream_agent_cls = base_worker.NixlWrapper
-    ours = NixlHMAConnectorWorker(config_with({"progress_thread_delay_us": 1000}), "e", None)
-    with_delay = idle_cpu_share(ours.nixl_wrapper)
+    with_delay, _ = idle_cpu_share(
+        lambda: NixlHMAConnectorWorker(config_with({"progress_thread_delay_us": 1000}), "e", None)
+    )
     assert base_worker.NixlWrapper is upstream_agent_cls  # put back
-    del ours
-    unset = NixlHMAConnectorWorker(config_with({}), "e", None)
-    as_nixl_builds_it = idle_cpu_share(unset.nixl_wrapper)
+    as_nixl_builds_it, _ = idle_cpu_share(
+        lambda: NixlHMAConnectorWorker(config_with({}), "e", None)
+    )
     assert as_nixl_builds_it > 4 * with_delay, (as_nixl_builds_it, with_delay)
 
 

@@ -202,14 +202,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._pair = ((PREFILL_HEADER, prefill.url), (DECODE_HEADER, decode.url))
         try:
             status, headers, data = self._call(prefill, self.path, prefill_request(body))
-        except TimeoutError:
-            self._error(
-                504, f"prefill engine {prefill.url} answered nothing within "
-                f"{self.router.timeout_s:g} s",
-            )  # fmt: skip
-            return
         except (OSError, http.client.HTTPException) as e:
-            self._error(502, f"prefill engine {prefill.url} unreachable: {e!r}")
+            self._engine_failed("prefill", prefill, e)
             return
         if status != 200:
             self._send_whole(status, headers, data)
@@ -227,6 +221,15 @@ class _Handler(BaseHTTPRequestHandler):
             )
             return
         self._relay(decode, "POST", self.path, {**body, "kv_transfer_params": kv_transfer_params})
+
+    def _engine_failed(self, role: str, engine: _Engine, error: Exception) -> None:
+        """504 for an engine that answered nothing in time, 502 for one that
+        could not be reached or answered something that is not HTTP."""
+        if isinstance(error, TimeoutError):
+            message = f"answered nothing within {self.router.timeout_s:g} s"
+            self._error(504, f"{role} engine {engine.url} {message}")
+        else:
+            self._error(502, f"{role} engine {engine.url} unreachable: {error!r}")
 
     def _read_body(self) -> Any:
         """The request's JSON body, or ``None`` once the client was answered
@@ -297,14 +300,8 @@ class _Handler(BaseHTTPRequestHandler):
                     {"Content-Type": "application/json"},
                 )
                 response = connection.getresponse()
-            except TimeoutError:
-                self._error(
-                    504, f"decode engine {engine.url} answered nothing within "
-                    f"{self.router.timeout_s:g} s",
-                )  # fmt: skip
-                return
             except (OSError, http.client.HTTPException) as e:
-                self._error(502, f"decode engine {engine.url} unreachable: {e!r}")
+                self._engine_failed("decode", engine, e)
                 return
             self.send_response(response.status)
             for name, value in response.getheaders():

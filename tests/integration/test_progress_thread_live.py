@@ -11,57 +11,24 @@ blocks in ``poll`` between UCX events.
 
 from __future__ import annotations
 
-import os
 import time
 import types
 import uuid
-from pathlib import Path
 
 import pytest
 from nixl._api import nixl_agent, nixl_agent_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as upstream_worker_module
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
+from tests.agent_cpu import idle_cpu_share
 from vllm_nixl_hma import NixlHMAConnectorWorker
 from vllm_nixl_hma.core import upstream_contract
 from vllm_nixl_hma.core.progress_thread import agents_built_with_delay
 from vllm_nixl_hma.v021.worker import build_nixl_agent
 
-IDLE_S = 1.5
-
 
 def vllm_like_config():
     return nixl_agent_config(num_threads=4, capture_telemetry=True)
-
-
-def thread_ids() -> set[str]:
-    return set(os.listdir("/proc/self/task"))
-
-
-def threads_cpu_s(thread_ids_: set[str]) -> float:
-    """CPU seconds these threads of this process used (gone ones count 0)."""
-    ticks = 0
-    for tid in thread_ids_:
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the name: state is field 3
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def idle_cpu_share(build):
-    """Cores the threads ``build()`` started used while nothing ran: only the
-    new agent's threads count, not other agents earlier tests left in this
-    process. Returns the share and the agent."""
-    before = thread_ids()
-    agent = build()
-    started = thread_ids() - before
-    time.sleep(0.3)  # past the agent's start
-    cpu, wall = threads_cpu_s(started), time.monotonic()
-    time.sleep(IDLE_S)
-    return (threads_cpu_s(started) - cpu) / (time.monotonic() - wall), agent
 
 
 def test_an_idle_agent_with_a_delay_stops_spinning_a_core():

@@ -28,6 +28,8 @@ import contextlib
 import sys
 from collections.abc import Iterator, Mapping
 
+from vllm_nixl_hma.core.config_values import whole_number
+
 __all__ = ["EXTRA_CONFIG_KEY", "MAX_DELAY_US", "agents_built_with_delay", "delay_us_from"]
 
 #: kv_connector_extra_config key (NIXL's ``nixlAgentConfig.pthrDelay``, in us)
@@ -47,14 +49,7 @@ def delay_us_from(extra_config: Mapping[str, object] | None) -> int | None:
     value = (extra_config or {}).get(EXTRA_CONFIG_KEY)
     if value is None:
         return None
-    if isinstance(value, bool):
-        delay_us = None
-    elif isinstance(value, int):
-        delay_us = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        delay_us = int(value)
-    else:
-        delay_us = None
+    delay_us = whole_number(value)
     if delay_us is None or not 0 <= delay_us <= MAX_DELAY_US:
         raise ValueError(
             f"kv_connector_extra_config {EXTRA_CONFIG_KEY}={value!r}: expected a whole "

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from vllm_nixl_hma.core.config_values import whole_number
+
 __all__ = [
     "DEFAULT_SPLIT_BATCH_SIZE",
     "EXTRA_CONFIG_KEY",
@@ -43,14 +45,7 @@ def split_batch_size_from(extra_config: Mapping[str, object] | None) -> int:
     (a bool, a fraction, text that is not a number, zero or less).
     """
     value = (extra_config or {}).get(EXTRA_CONFIG_KEY, DEFAULT_SPLIT_BATCH_SIZE)
-    if isinstance(value, bool):
-        count = None
-    elif isinstance(value, int):
-        count = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        count = int(value)
-    else:
-        count = None
+    count = whole_number(value)
     if count is None or count < 1:
         raise ValueError(
             f"kv_connector_extra_config {EXTRA_CONFIG_KEY}={value!r}: expected a whole "

@@ -92,19 +92,19 @@ def engine_log_excerpt(log_dir, lines_per_engine: int = 25, between=None) -> str
             if any(word in line for word in WHY_A_REQUEST_FAILED)
             and not TRACEBACK_FRAME.search(line)
         ]
-        if between is not None:
+        if between is None:
+            heading = f"--- {path.name}, last {lines_per_engine} of {len(said)}"
+            said = said[-lines_per_engine:]
+        else:
+            heading = f"--- {path.name}, while it ran"
             first, last = between
             said = [
                 line
                 for line in said
                 if (at := _logged_at(line)) is not None and first - 1.0 <= at <= last + 1.0
             ]
-            if said:
-                parts.append(f"--- {path.name}, while it ran")
-                parts.extend(said)
-        elif said:
-            parts.append(f"--- {path.name}, last {lines_per_engine} of {len(said)}")
-            parts.extend(said[-lines_per_engine:])
+        if said:
+            parts += [heading, *said]
     return "\n".join(parts)
 
 
@@ -113,7 +113,7 @@ def failed(what, log) -> str:
     prompt or a fault cell, what the engines said while it ran (CI shows the
     end of the output)."""
     message = f"{log}\n=== failed: {what}"
-    if isinstance(log, RunLog) and isinstance(what, dict) and what.get("sent_at"):
+    if isinstance(what, dict) and what.get("sent_at"):
         window = (what["sent_at"], what.get("answered_at", what["sent_at"]) + AFTER_ANSWER_S)
         message += "\n=== the engines while it ran:\n" + engine_log_excerpt(
             log.log_dir, between=window
@@ -330,7 +330,6 @@ def test_ours_sliding_window_matches_one_engine_and_fails_closed(tmp_path):
     longer), 1 -> 1, as vLLM 0.21.0 runs it with a connector: HMA off, the
     window layer's blocks kept as full attention, its kernel still windowed.
     Every prompt, then every fault under both policies."""
-
     report, log = e2e(tmp_path, model="swa", p_tp=1, d_tp=1, faults=FAULTS)
     # vLLM saw the sliding window (and folded it into one group)
     decode_log = (Path(tmp_path) / "decode.log").read_text(errors="replace")

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Iterator, Mapping
 
 from vllm_nixl_hma.core.config_values import whole_number
+from vllm_nixl_hma.core.upstream_contract import names_swapped
 
 __all__ = ["EXTRA_CONFIG_KEY", "MAX_DELAY_US", "agents_built_with_delay", "delay_us_from"]
 
@@ -79,8 +80,5 @@ def agents_built_with_delay(agent_cls: type, delay_us: int | None) -> Iterator[b
         config.pthrDelay = delay_us
         return build(name, config, *args, **kwargs)
 
-    bindings.nixlAgent = build_with_delay
-    try:
+    with names_swapped(bindings, {"nixlAgent": build_with_delay}):
         yield True
-    finally:
-        bindings.nixlAgent = build

@@ -17,12 +17,13 @@ added here) and that removing a listed name stops startup.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from vllm_nixl_hma.core.errors import UpstreamDriftError
 
-__all__ = ["V021", "V033", "Contract", "require"]
+__all__ = ["V021", "V033", "Contract", "names_swapped", "require"]
 
 
 @dataclass(frozen=True)
@@ -212,3 +213,18 @@ def require(
         from vllm_nixl_hma._compat import installed_vllm_version
 
         raise UpstreamDriftError(release, owner_name, missing, installed_vllm_version())
+
+
+@contextlib.contextmanager
+def names_swapped(owner: object, replacements: Mapping[str, object]) -> Iterator[None]:
+    """While the block runs, ``owner``'s attributes named in ``replacements``
+    are those values (how the glue hands upstream's constructor our pieces);
+    each is put back on every exit."""
+    previous = {name: getattr(owner, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(owner, name, value)

@@ -296,7 +296,6 @@ class NixlHMAConnectorWorker(
                 vllm_config, mamba_spec, local_tp, get_tensor_model_parallel_rank()
             )
 
-        upstream_split = upstream_worker_module.derive_mamba_conv_split
         upstream_agent_cls = upstream_worker_module.NixlWrapper
 
         def agent_spreading_reads(name, config):
@@ -304,14 +303,11 @@ class NixlHMAConnectorWorker(
                 upstream_agent_cls, name, config, split_batch_size, progress_delay_us
             )
 
-        upstream_worker_module.derive_mamba_conv_split = split_for_this_rank
+        ours: dict[str, object] = {"derive_mamba_conv_split": split_for_this_rank}
         if upstream_agent_cls is not None:  # None: upstream refuses to start
-            upstream_worker_module.NixlWrapper = agent_spreading_reads
-        try:
+            ours["NixlWrapper"] = agent_spreading_reads
+        with upstream_contract.names_swapped(upstream_worker_module, ours):
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        finally:
-            upstream_worker_module.derive_mamba_conv_split = upstream_split
-            upstream_worker_module.NixlWrapper = upstream_agent_cls
         contract.require_state(self, contract.worker_state, NixlConnectorWorker, "its constructor")
         self._failed_recv_reqs = FailedRequests(self._failed_recv_reqs)
 

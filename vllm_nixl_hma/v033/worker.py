@@ -198,12 +198,9 @@ class NixlHMAConnectorWorker(PeerChecks, ReadPath, LeaseChecks, NixlPullConnecto
             with progress_thread.agents_built_with_delay(upstream_agent_cls, delay_us):
                 return upstream_agent_cls(name, config)
 
-        if upstream_agent_cls is not None:  # None: upstream refuses to start
-            base_worker.NixlWrapper = agent_with_delay
-        try:
+        ours = {} if upstream_agent_cls is None else {"NixlWrapper": agent_with_delay}
+        with upstream_contract.names_swapped(base_worker, ours):  # None: upstream refuses
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        finally:
-            base_worker.NixlWrapper = upstream_agent_cls
 
     @functools.cached_property
     def _group_kinds(self) -> tuple[blocks.GroupKind, ...]:

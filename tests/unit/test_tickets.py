@@ -8,12 +8,16 @@ import pytest
 
 from vllm_nixl_hma.core import lease
 from vllm_nixl_hma.core.tickets import (
+    DEFAULT_TTL_S,
     PARAM,
     ConsumedTickets,
     Key,
+    TicketBook,
     TicketError,
+    configured_ttl_s,
     load_keys,
     parse_keys,
+    refusals,
     sign,
     verify,
 )
@@ -161,3 +165,67 @@ def test_consumed_tickets_are_forgotten_only_once_expired():
     assert not consumed.consume("m3", NOW + 100, NOW)  # full of live tickets: refused
     assert consumed.consume("m3", NOW + 100, NOW + 2)  # m1 expired: room again
     assert not consumed.consume("m2", NOW + 100, NOW + 2)
+
+
+def test_the_fields_vllms_decode_scheduler_rewrites_are_not_bound_and_every_other_is():
+    """vLLM's ``update_state_after_alloc`` sets ``do_remote_prefill`` false
+    (and 0.33 adds ``_remote_blocks_processed``) before decode judges the
+    ticket; a field a client adds (0.33's ``tp_size``, a DP rank) is an edit."""
+    params = signed()
+    params["do_remote_prefill"] = False
+    params["_remote_blocks_processed"] = True
+    verify(params, KEYS, NOW)
+    for field, value in (("tp_size", 2), ("remote_dp_rank", 1), ("do_remote_decode", True)):
+        assert reason_of({**signed(), field: value}) == "forged or edited", field
+
+
+def test_params_json_cannot_carry_are_malformed_not_a_crash():
+    params = signed()
+    params["remote_block_ids"] = {1, 2}  # a set: no JSON for it
+    assert reason_of(params) == "malformed"
+
+
+def test_a_book_without_keys_signs_nothing_and_refuses_nothing():
+    book = TicketBook(None)
+    assert not book.enabled
+    assert book.signed(dict(PARAMS)) == PARAMS
+    assert book.refusal({"anything": 1}) is None and book.refusal(None) is None
+
+
+def test_a_book_signs_for_its_ttl_and_consumes_only_when_asked():
+    clock = [NOW]
+    book = TicketBook(KEYS, ttl_s=30.0, clock=lambda: clock[0])
+    params = book.signed(dict(PARAMS))
+    assert params[PARAM]["exp"] == NOW + 30.0
+    assert book.refusal(params, consume=False) is None  # a look: not consumed
+    assert book.refusal(params) is None
+    assert book.refusal(params).reason == "replayed"
+    assert book.refusal(None).reason == "missing"
+    clock[0] = NOW + 30.0
+    assert book.refusal(book.signed(dict(PARAMS)) | {PARAM: params[PARAM]}).reason in {
+        "expired",
+        "replayed",
+    }
+
+
+def test_refusals_judges_each_request_and_names_only_the_refused():
+    book = TicketBook(KEYS, clock=lambda: NOW)
+    good, bad = book.signed(dict(PARAMS)), {**book.signed(dict(PARAMS)), "remote_port": 1}
+    refused = refusals(book, [("r-good", good), ("r-bad", bad), ("r-none", None)])
+    assert {k: e.reason for k, e in refused.items()} == {
+        "r-bad": "forged or edited",
+        "r-none": "missing",
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [(1, True), (0.5, True), (0, False), (-1, False), (True, False), ("60", False), (None, False)],
+)
+def test_configured_ttl_s_takes_positive_numbers_only(value, ok):
+    if ok:
+        assert configured_ttl_s({"ticket_ttl_s": value}) == float(value)
+    else:
+        with pytest.raises(ValueError, match="ticket_ttl_s"):
+            configured_ttl_s({"ticket_ttl_s": value})
+    assert configured_ttl_s({}) == DEFAULT_TTL_S

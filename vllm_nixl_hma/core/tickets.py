@@ -3,9 +3,11 @@
 ``kv_transfer_params`` travel in the OpenAI request body, so any client that
 reaches a decode engine can write its own: a prefill host and port, an engine
 id, block ids. A ticket binds what prefill granted: a keyed MAC (HMAC-SHA256)
-over the prefill engine id, its request id, its side-channel host and port,
-the block ids of every group, the lease and the ticket's expiry, under a key
-prefill and decode share. Decode checks it before it dials, loads an agent or
+over every field prefill returned (its engine id, request id, side-channel
+host and port, the block ids of every group, its TP size, the lease, ...)
+but the ones vLLM's own scheduler rewrites on decode (``UNBOUND_FIELDS``),
+and over the ticket's expiry, under a key prefill and decode share. A field
+added, removed or changed on the way is an edit. Decode checks it before it dials, loads an agent or
 reads (``verify``); a ticket checked once is consumed (``ConsumedTickets``),
 so a replayed one is refused too.
 
@@ -14,9 +16,9 @@ line, ``ID SECRET``; the first line signs, every line verifies, so a key is
 rotated by adding the new one second on every engine, then moving it first.
 A ``Key`` never shows its secret (``repr``, errors, logs).
 
-Not wired into the connectors yet: issue #25 stays open for that (prefill's
-``request_finished`` signs, decode verifies before its handshake, e2e fault
-cells ending in ``-ticket``).
+``TicketBook`` is what both releases' connectors hold: it signs on prefill
+(``request_finished``) and judges on decode (``build_connector_meta``, before
+any handshake, agent load or read).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import hashlib
 import hmac
 import json
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,16 @@ __all__ = [
     "MIN_SECRET_CHARS",
     "PARAM",
     "ConsumedTickets",
+    "DEFAULT_TTL_S",
     "Key",
+    "NO_KEY_WARNING",
+    "REFUSED",
+    "TicketBook",
     "TicketError",
+    "METADATA_ATTR",
+    "UNBOUND_FIELDS",
+    "configured_ttl_s",
+    "refusals",
     "load_keys",
     "parse_keys",
     "sign",
@@ -48,15 +59,14 @@ PARAM = "vllm_nixl_hma_ticket"
 VERSION = 1
 #: a secret shorter than this is refused (HMAC-SHA256 keys of 32 bytes and up)
 MIN_SECRET_CHARS = 32
-#: the kv_transfer_params fields a ticket binds, and the lease (``lease.PARAM``)
-BOUND_FIELDS = (
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-    "remote_block_ids",
-    "vllm_nixl_hma_lease_deadline",
-)
+#: the kv_transfer_params fields a ticket does not bind: vLLM's decode
+#: scheduler rewrites them before the ticket is judged (``do_remote_prefill``
+#: set false, ``_remote_blocks_processed`` added on 0.33), and the ticket
+#: itself; every other field is bound
+UNBOUND_FIELDS = frozenset({"do_remote_prefill", "_remote_blocks_processed", PARAM})
+#: how long a ticket is valid by default, seconds (``ticket_ttl_s``): as long
+#: as vLLM 0.21's prefill keeps the blocks by default
+DEFAULT_TTL_S = 480.0
 
 
 class TicketError(ValueError):
@@ -137,11 +147,14 @@ def load_keys(
 
 def _message(params: Mapping[str, Any], key_id: str, expires_at: float) -> bytes:
     """The bytes a ticket's MAC covers: its version, key id and expiry, and
-    every bound field as the params carry it (absent fields as null)."""
-    bound = {name: params.get(name) for name in BOUND_FIELDS}
-    return json.dumps(
-        [VERSION, key_id, expires_at, bound], sort_keys=True, separators=(",", ":")
-    ).encode()
+    every bound field as JSON carries it (a tuple as a list)."""
+    bound = {name: value for name, value in params.items() if name not in UNBOUND_FIELDS}
+    try:
+        return json.dumps(
+            [VERSION, key_id, expires_at, bound], sort_keys=True, separators=(",", ":")
+        ).encode()
+    except (TypeError, ValueError, RecursionError) as e:
+        raise TicketError("malformed", f"kv_transfer_params JSON cannot carry: {e}") from None
 
 
 def _mac(secret: bytes, message: bytes) -> str:
@@ -220,3 +233,100 @@ class ConsumedTickets:
                 return False
         self._expiry_by_mac[mac] = expires_at
         return True
+
+
+#: attribute of vLLM's connector metadata our scheduler side sets on both
+#: releases: {request id: ReqMeta} of the requests whose ticket was refused,
+#: taken out of ``reqs_to_recv`` (the worker fails them, reading nothing)
+METADATA_ATTR = "vllm_nixl_hma_refused_tickets"
+
+#: logged once by an engine whose connector has no ticket key
+NO_KEY_WARNING = (
+    "NixlHMAConnector: no ticket key is configured (kv_connector_extra_config "
+    "ticket_keys_file or ticket_keys_env), so kv_transfer_params are not authenticated: "
+    "any client that reaches a decode engine's API can make it read any block of any "
+    "prefill engine it can reach (another request's KV), or load KV from a host of the "
+    "client's choosing. See README, Security."
+)
+#: logged (request id, the refusal) when decode refuses a request's ticket
+REFUSED = (
+    "NixlHMAConnector: request %s: %s; nothing is read from the prefill engine its "
+    "kv_transfer_params name, and the request fails as a failed transfer does "
+    "(kv_load_failure_policy)"
+)
+
+
+def configured_ttl_s(extra_config: Mapping[str, Any] | None) -> float:
+    """``ticket_ttl_s`` from ``kv_connector_extra_config`` (a positive number
+    of seconds), or ``DEFAULT_TTL_S``; ValueError naming the key otherwise."""
+    value = (extra_config or {}).get("ticket_ttl_s", DEFAULT_TTL_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(
+            f"kv_connector_extra_config ticket_ttl_s={value!r}: expected a positive number "
+            "of seconds"
+        )
+    return float(value)
+
+
+class TicketBook:
+    """What a connector's scheduler side holds: the keys (None: no tickets),
+    how long a ticket it signs lives, and the tickets it has honoured."""
+
+    def __init__(
+        self,
+        keys: Sequence[Key] | None,
+        ttl_s: float = DEFAULT_TTL_S,
+        consumed: ConsumedTickets | None = None,
+        clock=time.time,
+    ):
+        self.keys = tuple(keys) if keys else None
+        self.ttl_s = ttl_s
+        self.consumed = consumed if consumed is not None else ConsumedTickets()
+        self._clock = clock
+
+    @classmethod
+    def from_extra_config(
+        cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+    ) -> TicketBook:
+        """The book ``kv_connector_extra_config`` configures (``load_keys``,
+        ``configured_ttl_s``); ValueError for a bad setting, at start."""
+        return cls(load_keys(extra_config, environ), configured_ttl_s(extra_config))
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys is not None
+
+    def signed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` (what prefill returns) with a ticket; as they are
+        without a key."""
+        if self.keys is None:
+            return params
+        return sign(params, self.keys, self._clock() + self.ttl_s)
+
+    def refusal(self, params: Mapping[str, Any] | None, consume: bool = True) -> TicketError | None:
+        """Why decode must not honour ``params``, or None (also without a
+        key: then nothing is checked). A ticket that passes is consumed,
+        unless ``consume`` is false (a look before the read is decided)."""
+        if self.keys is None:
+            return None
+        if not isinstance(params, Mapping):
+            return TicketError("missing", "the request carries no kv_transfer_params object")
+        try:
+            verify(params, self.keys, self._clock(), self.consumed if consume else None)
+        except TicketError as e:
+            return e
+        return None
+
+
+def refusals(
+    book: TicketBook, entries: Iterable[tuple[str, Mapping[str, Any] | None]]
+) -> dict[str, TicketError]:
+    """Decode's judgement of the requests it is about to receive, as
+    ``(request id, kv_transfer_params)``: {request id: why it is refused}
+    for each it must not read for. Every ticket judged is consumed."""
+    refused = {}
+    for request_id, params in entries:
+        error = book.refusal(params)
+        if error is not None:
+            refused[request_id] = error
+    return refused

@@ -26,8 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (  # noqa: E402
     NixlConnectorScheduler,
 )
+from vllm.logger import init_logger  # noqa: E402
 
-from vllm_nixl_hma.core import lease, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core import lease, tickets, upstream_contract  # noqa: E402
 from vllm_nixl_hma.v021.lease_checks import LEASE_DEADLINES_ATTR  # noqa: E402
 from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker  # noqa: E402
 
@@ -38,18 +39,24 @@ if TYPE_CHECKING:
 
 __all__ = ["NixlHMAConnector"]
 
+logger = init_logger(f"vllm.{__name__}")
+
 
 class NixlHMAConnector(NixlConnector):
     """Drop-in replacement for ``NixlConnector`` for hybrid models under HMA.
 
     Besides the worker class, it departs from upstream on the scheduler side
-    only to carry the prefill lease (``lease.py``): prefill adds its end to
-    the ``kv_transfer_params`` it returns, decode hands it to its workers with
-    the connector metadata.
+    to carry the prefill lease (``lease.py``): prefill adds its end to the
+    ``kv_transfer_params`` it returns, decode hands it to its workers with
+    the connector metadata; and, with a key configured, to sign those params
+    on prefill and refuse on decode those whose ticket fails (``tickets``).
     """
 
     #: Worker class built for ``KVConnectorRole.WORKER``.
     worker_cls: type[NixlHMAConnectorWorker] = NixlHMAConnectorWorker
+    #: the scheduler side's keys and honoured tickets (``__init__``); this
+    #: default, without a key, for a connector built without our constructor
+    _tickets: tickets.TicketBook = tickets.TicketBook(None)
 
     def __init__(
         self,
@@ -82,6 +89,12 @@ class NixlHMAConnector(NixlConnector):
         self.connector_scheduler: NixlConnectorScheduler | None = None
         self.connector_worker: NixlHMAConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # a bad key file or ticket_ttl_s stops startup here, naming the key
+            self._tickets = tickets.TicketBook.from_extra_config(
+                kv_transfer_config.kv_connector_extra_config
+            )
+            if not self._tickets.enabled:
+                logger.warning(tickets.NO_KEY_WARNING)
             self.connector_scheduler = NixlConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
@@ -94,40 +107,72 @@ class NixlHMAConnector(NixlConnector):
         block_ids: tuple[list[int], ...],
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM 0.21.0 ``NixlConnector.request_finished_all_groups``, plus the
-        lease end. Why: decode must not read blocks prefill may have reused
-        after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``. What changes: when prefill
-        keeps blocks for decode, ``kv_transfer_params`` gains ``lease.PARAM``.
-        Remove when: upstream carries a lease.
+        lease end and the ticket. Why: decode must not read blocks prefill
+        may have reused after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, nor blocks
+        a client named in its own ``kv_transfer_params``. What changes: when
+        prefill keeps blocks for decode, ``kv_transfer_params`` gain
+        ``lease.PARAM`` and, with a key, ``tickets.PARAM`` (signed last, over
+        the lease too). Remove when: upstream carries a lease and
+        authenticates its params.
         """
         delay_free, params = super().request_finished_all_groups(request, block_ids)
-        if delay_free and params is not None:
-            params[lease.PARAM] = lease.lease_deadline(
-                time.time(), envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT
-            )
-        return delay_free, params
+        return delay_free, self._with_lease_and_ticket(delay_free, params)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """As ``request_finished_all_groups``, for engines without HMA."""
         delay_free, params = super().request_finished(request, block_ids)
-        if delay_free and params is not None:
-            params[lease.PARAM] = lease.lease_deadline(
-                time.time(), envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT
-            )
-        return delay_free, params
+        return delay_free, self._with_lease_and_ticket(delay_free, params)
+
+    def _with_lease_and_ticket(
+        self, delay_free: bool, params: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        if not delay_free or params is None:
+            return params
+        params[lease.PARAM] = lease.lease_deadline(
+            time.time(), envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+        )
+        return self._tickets.signed(params)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput):
         """vLLM 0.21.0 ``NixlConnector.build_connector_meta``, plus the lease
         ends of the requests to receive (an attribute of the metadata object,
-        read by ``NixlHMAConnectorWorker.start_load_kv``)."""
+        read by ``NixlHMAConnectorWorker.start_load_kv``), and with a key,
+        every such request's ticket judged first.
+
+        Why: ``kv_transfer_params`` come in the client's request body; with
+        them decode's worker dials the host they name, loads that peer's
+        agent and reads the blocks they list. What changes: a request whose
+        ticket is refused (``tickets.refusals``: missing, malformed, unknown
+        key, forged or edited, expired, replayed) is logged with the reason
+        and moved from ``reqs_to_recv`` to ``tickets.METADATA_ATTR``; the
+        worker fails it without a handshake, agent load or read, and vLLM
+        fails or recomputes it (``kv_load_failure_policy``). Remove when:
+        upstream authenticates its params.
+        """
         scheduler = self.connector_scheduler
         # read before upstream's build_connector_meta, which empties the dict
-        entries = [] if scheduler is None else scheduler._reqs_need_recv.items()
+        entries = [] if scheduler is None else list(scheduler._reqs_need_recv.items())
         deadlines = lease.carried_by_request(
             ((request_id, request.kv_transfer_params) for request_id, (request, _) in entries),
             lease.PARAM,
         )
+        refused = tickets.refusals(
+            self._tickets,
+            ((request_id, request.kv_transfer_params) for request_id, (request, _) in entries),
+        )
+        for request_id, error in refused.items():
+            logger.error(tickets.REFUSED, request_id, error)
         metadata = super().build_connector_meta(scheduler_output)
         setattr(metadata, LEASE_DEADLINES_ATTR, deadlines)
+        setattr(
+            metadata,
+            tickets.METADATA_ATTR,
+            {
+                request_id: metadata.reqs_to_recv.pop(request_id)
+                for request_id in refused
+                if request_id in metadata.reqs_to_recv
+            },
+        )
         return metadata

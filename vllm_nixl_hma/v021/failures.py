@@ -87,6 +87,7 @@ class FailureReports:
                 self._failed_recv_reqs.discard(request_id)
                 self._recving_metadata.pop(request_id, None)
                 self._lease_deadlines.pop(request_id, None)
+                self._refused_by_ticket.discard(request_id)
                 continue
             self._report_invalid_blocks_of(request_id)
             self._lease_deadlines.pop(request_id, None)
@@ -94,12 +95,14 @@ class FailureReports:
             if (
                 meta is None
                 or meta.remote is None
+                or request_id in self._refused_by_ticket  # its engine id is not trusted
                 or not self._engine_registered(meta.remote.engine_id)
             ):
                 unregistered.add(request_id)
         self._failed_recv_reqs.difference_update(unregistered)
         for request_id in unregistered:
             self._recving_metadata.pop(request_id, None)
+            self._refused_by_ticket.discard(request_id)
         done_sending, done_recving = super().get_finished()
         for request_id, meta in held.items():
             if request_id in done_recving:  # its last read ended: failed now

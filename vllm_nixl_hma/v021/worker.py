@@ -158,6 +158,15 @@ A progress thread that can pause (``__init__``, opt-in)
     agent is built with that wait between polls; absent, as NIXL builds it.
     Remove when: NIXL's Python API takes the delay itself.
 
+``start_load_kv(metadata)``, requests refused for their ticket (``ticket_checks``)
+    Why: ``kv_transfer_params`` come in the client's request body, and
+    upstream dials the host they name and reads the blocks they list. How:
+    our scheduler side judges each request's ticket (``tickets``) and hands
+    the refused ones over apart from ``reqs_to_recv``; the worker records
+    them failed, reports their blocks invalid and reports them done without
+    a handshake, agent load or read. Remove when: upstream authenticates its
+    params.
+
 ``_validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)``
     Why: upstream accepts a Mamba hybrid peer with another ratio while prefix
     caching is on, and the mismatch surfaces mid-request. How:
@@ -245,10 +254,11 @@ from vllm_nixl_hma.v021.peer import (  # noqa: E402
     PeerChecks,
 )
 from vllm_nixl_hma.v021.read_path import ReadPath  # noqa: E402
+from vllm_nixl_hma.v021.ticket_checks import TicketChecks  # noqa: E402
 
 
 class NixlHMAConnectorWorker(
-    ReadPath, PeerChecks, FailureReports, LeaseChecks, NixlConnectorWorker
+    TicketChecks, ReadPath, PeerChecks, FailureReports, LeaseChecks, NixlConnectorWorker
 ):
     """vLLM's ``NixlConnectorWorker`` with the departures listed in this module."""
 

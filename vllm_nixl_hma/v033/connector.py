@@ -2,7 +2,9 @@
 
 Registered under the name ``NixlHMAConnector`` by the plugin when vLLM 0.33
 is installed (``plugin.connector_module``). The scheduler side is upstream's,
-plus the prefill lease in the ``kv_transfer_params`` it returns (``lease``).
+plus the prefill lease in the ``kv_transfer_params`` it returns (``lease``)
+and, with a key configured, their ticket: signed on prefill, judged on
+decode before any handshake, agent load or read (``tickets``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
     NixlPullConnectorScheduler,
 )
+from vllm.logger import init_logger  # noqa: E402
 
-from vllm_nixl_hma.core import lease, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core import lease, tickets, upstream_contract  # noqa: E402
 from vllm_nixl_hma.v033.lease_checks import LEASE_EXTENSIONS_ATTR  # noqa: E402
 from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker  # noqa: E402
 
@@ -40,12 +43,17 @@ EXPIRY_PARAM = "remote_blocks_expiry_time"
 
 __all__ = ["NixlHMAConnector", "NixlHMAConnectorWorker"]
 
+logger = init_logger(f"vllm.{__name__}")
+
 
 class NixlHMAConnector(NixlPullConnector):
     """Drop-in replacement for vLLM 0.33's ``NixlConnector`` (``NixlPullConnector``)."""
 
     #: Worker class built for ``KVConnectorRole.WORKER``.
     worker_cls: type[NixlHMAConnectorWorker] = NixlHMAConnectorWorker
+    #: the scheduler side's keys and honoured tickets (``__init__``); this
+    #: default, without a key, for a connector built without our constructor
+    _tickets: tickets.TicketBook = tickets.TicketBook(None)
 
     def __init__(
         self,
@@ -65,6 +73,12 @@ class NixlHMAConnector(NixlPullConnector):
         upstream_contract.V033.require_connector_class(NixlPullConnector, KVConnectorBase_V1)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
+            # a bad key file or ticket_ttl_s stops startup here, naming the key
+            self._tickets = tickets.TicketBook.from_extra_config(
+                vllm_config.kv_transfer_config.kv_connector_extra_config
+            )
+            if not self._tickets.enabled:
+                logger.warning(tickets.NO_KEY_WARNING)
             self.connector_scheduler = NixlPullConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
@@ -86,18 +100,48 @@ class NixlHMAConnector(NixlPullConnector):
         prefill keeps blocks for decode and upstream exported no deadline,
         ``kv_transfer_params`` gains upstream's ``remote_blocks_expiry_time``
         (this scheduler's ``perf_counter``, the clock its side channel reports
-        for the handshake's offset) and ``lease.EXTENSION_PARAM``. Remove
-        when: upstream's decode refuses reads past prefill's lease.
+        for the handshake's offset) and ``lease.EXTENSION_PARAM``; with a key,
+        then ``tickets.PARAM``, signed over all of them (decode must not read
+        what a client named in its own params). Remove when: upstream's
+        decode refuses reads past prefill's lease and authenticates params.
         """
         delay_free, params = super().request_finished_all_groups(request, block_ids)
-        return delay_free, self._with_lease(request, delay_free, params)
+        return delay_free, self._signed(self._with_lease(request, delay_free, params), delay_free)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """As ``request_finished_all_groups``, for engines without HMA."""
         delay_free, params = super().request_finished(request, block_ids)
-        return delay_free, self._with_lease(request, delay_free, params)
+        return delay_free, self._signed(self._with_lease(request, delay_free, params), delay_free)
+
+    def _signed(self, params: dict[str, Any] | None, delay_free: bool) -> dict[str, Any] | None:
+        if not delay_free or params is None:
+            return params
+        return self._tickets.signed(params)
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM 0.33.0 ``on_new_request``, then no heartbeat for a request
+        whose ticket fails.
+
+        Why: upstream starts heartbeating the remote request a new request's
+        ``kv_transfer_params`` name as it arrives, which extends that
+        request's lease on prefill (another client's request, for a forged
+        ticket). What changes: with a key, the ticket is looked at (not
+        consumed: ``build_connector_meta`` judges it) and a failing one's
+        heartbeat is stopped at once. Remove when: upstream authenticates
+        its params.
+        """
+        super().on_new_request(request)
+        params = request.kv_transfer_params
+        scheduler = self.connector_scheduler
+        if (
+            scheduler is not None
+            and params
+            and params.get("do_remote_prefill")
+            and self._tickets.refusal(params, consume=False) is not None
+        ):
+            scheduler._stop_heartbeat(request.request_id)
 
     def _with_lease(
         self, request: Request, delay_free: bool, params: dict[str, Any] | None
@@ -116,16 +160,43 @@ class NixlHMAConnector(NixlPullConnector):
         """vLLM 0.33.0 ``build_connector_meta``, plus the lease extensions of the
         requests to receive (``LEASE_EXTENSIONS_ATTR``, read by the worker's
         ``start_load_kv``): upstream's ``ReqMeta`` keeps vLLM's fields of
-        ``kv_transfer_params`` only."""
+        ``kv_transfer_params`` only; and with a key, every such request's
+        ticket judged first.
+
+        Why: ``kv_transfer_params`` come in the client's request body; with
+        them decode's worker dials the host they name, loads that peer's
+        agent and reads the blocks they list. What changes: a request whose
+        ticket is refused (``tickets.refusals``) is logged with the reason,
+        its heartbeat stopped, and moved from ``reqs_to_recv`` to
+        ``tickets.METADATA_ATTR``; the worker fails it without a handshake,
+        agent load or read (``ticket_checks``). Remove when: upstream
+        authenticates its params.
+        """
         scheduler = self.connector_scheduler
         # read before upstream's build_connector_meta, which empties the dict;
         # keyed by prefill's request id, which upstream's ReqMeta carries
-        entries = [] if scheduler is None else scheduler._reqs_need_recv.values()
-        params_of_each = [entry[0].kv_transfer_params or {} for entry in entries]
+        entries = [] if scheduler is None else list(scheduler._reqs_need_recv.items())
+        params_of_each = [entry[0].kv_transfer_params or {} for _, entry in entries]
         extensions = lease.carried_by_request(
             ((params.get("remote_request_id"), params) for params in params_of_each),
             lease.EXTENSION_PARAM,
         )
+        refused = tickets.refusals(
+            self._tickets,
+            ((request_id, entry[0].kv_transfer_params) for request_id, entry in entries),
+        )
+        for request_id, error in refused.items():
+            logger.error(tickets.REFUSED, request_id, error)
+            scheduler._stop_heartbeat(request_id)
         metadata = super().build_connector_meta(scheduler_output)
         setattr(metadata, LEASE_EXTENSIONS_ATTR, extensions)
+        setattr(
+            metadata,
+            tickets.METADATA_ATTR,
+            {
+                request_id: metadata.reqs_to_recv.pop(request_id)
+                for request_id in refused
+                if request_id in metadata.reqs_to_recv
+            },
+        )
         return metadata

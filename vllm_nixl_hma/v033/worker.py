@@ -5,8 +5,9 @@ override's docstring says what upstream does, why we depart, and when to
 remove it). The class is composed of one mixin per concern, before
 upstream's class in its bases: ``peer.PeerChecks`` (``_nixl_handshake``,
 ``add_remote_agent``, ``_build_mamba_remote``), ``read_path.ReadPath`` (``_apply_prefix_caching``,
-``_read_blocks``), ``lease_checks.LeaseChecks`` (the lease); this module
-keeps the constructor:
+``_read_blocks``), ``lease_checks.LeaseChecks`` (the lease),
+``ticket_checks.TicketChecks`` (requests refused for their ticket); this
+module keeps the constructor:
 
 * ``__init__``: builds this rank's ``StateSplit`` (``state_split``) beside
   upstream's ``MambaConvSplitInfo`` and refuses to start when the two
@@ -45,6 +46,10 @@ keeps the constructor:
   from the heartbeats it posted, and fails a request whose read would start,
   or did finish, within ``lease_margin_s`` of it. Upstream reads regardless
   (prefill only logs a late read, after its blocks may have been reused).
+* ``start_load_kv``: requests our scheduler side refused for their ticket
+  (``tickets``) come apart from ``reqs_to_recv`` and fail with nothing
+  dialed, loaded or read; upstream reads whatever the client's
+  ``kv_transfer_params`` name.
 * ``_build_mamba_remote``: conv x/B/C and SSM offsets inside the prefill
   rank's page from ``mamba_conv``'s read plans. Upstream derives B and C as
   if SSM groups were always sharded, so a model with fewer groups than the
@@ -95,13 +100,16 @@ from vllm_nixl_hma.core.state_split import derive_state_split  # noqa: E402
 from vllm_nixl_hma.v033.lease_checks import LEASE_EXTENSIONS_ATTR, LeaseChecks  # noqa: E402
 from vllm_nixl_hma.v033.peer import PeerChecks  # noqa: E402
 from vllm_nixl_hma.v033.read_path import ReadPath  # noqa: E402
+from vllm_nixl_hma.v033.ticket_checks import TicketChecks  # noqa: E402
 
 __all__ = ["LEASE_EXTENSIONS_ATTR", "NixlHMAConnectorWorker"]
 
 logger = init_logger(f"vllm.{__name__}")
 
 
-class NixlHMAConnectorWorker(PeerChecks, ReadPath, LeaseChecks, NixlPullConnectorWorker):
+class NixlHMAConnectorWorker(
+    TicketChecks, PeerChecks, ReadPath, LeaseChecks, NixlPullConnectorWorker
+):
     """vLLM 0.33's ``NixlPullConnectorWorker`` with the departures listed in this module."""
 
     # What __init__ sets has class defaults in the mixins, for a worker built

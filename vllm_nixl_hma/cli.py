@@ -170,7 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also break transfers (prefill killed, side channel unreachable, lease ended, "
         "block lists cut; with --separate-hosts also the prefill host's data link down for "
         "a few seconds, the prefill host unplugged, its data link alone unplugged) "
+        "and send what a client without the ticket key can (another request's block ids, "
+        "an edited lease, a replay, a fake prefill: the -ticket faults) "
         "under kv_load_failure_policy fail and recompute",
+    )
+    e2e.add_argument(
+        "--forged-read-probe",
+        action="store_true",
+        help="after the prompts, send decode one request with another in-flight request's "
+        "block ids under this request's ticket, and report what it answered (stock reads "
+        "them; ours refuses)",
     )
     e2e.add_argument(
         "--cpu-amx",
@@ -457,6 +466,8 @@ FAULT_E2E_COLUMNS = (
     ("HTTP", 4, lambda f: f["http_status"]),
     ("outcome", 16, lambda f: f["outcome"] or "-"),
     ("s", 5, lambda f: f.get("elapsed_s", "-")),
+    # ticket faults: NIXL transfers decode ended while it answered (must be 0)
+    ("reads", 5, lambda f: "-" if f.get("nixl_reads") is None else f["nixl_reads"]),
     ("next request", 12, lambda f: "right" if f["next_request_ok"] else "WRONG"),
     ("ok", 3, lambda f: "yes" if f["ok"] else "NO"),
 )
@@ -502,6 +513,9 @@ def render_e2e(report: dict) -> str:
     if report["faults"]:
         lines.append("")
         lines += render_rows(FAULT_E2E_COLUMNS, report["faults"])
+    if report.get("forged_read"):
+        lines += ["", "a forged ticket: this prompt's params with another request's block ids:"]
+        lines += render_rows(FAULT_E2E_COLUMNS, [report["forged_read"]])
     if report.get("after_faults"):
         lines += ["", "after the faults, the same router (its first prefill engine killed):"]
         lines += render_rows(E2E_COLUMNS + PAIR_COLUMNS, report["after_faults"])
@@ -575,6 +589,7 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
         decodes=args.decodes,
         decode_dp=args.decode_dp,
         router=args.router,
+        forged_read_probe=args.forged_read_probe,
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)

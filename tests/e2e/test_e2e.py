@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_nixl_hma.e2e.faults import ALL_FAULTS, FAULTS, LINK_FLAP_S, POLICIES
+from vllm_nixl_hma.e2e.faults import ALL_FAULTS, FAULTS, LINK_FLAP_S, POLICIES, TICKET_FAULTS
 from vllm_nixl_hma.e2e.run import E2EOptions, run_e2e
 
 pytestmark = pytest.mark.e2e
@@ -171,7 +171,43 @@ def assert_every_fault_fails_closed(report, log, faults=FAULTS):
         if fault["name"] == "prefill-link-flap" and fault["outcome"] == "reference tokens":
             assert fault["elapsed_s"] >= LINK_FLAP_S - 1.0, failed(fault, log)
         assert fault["next_request_ok"], failed(fault, log)
+        if fault["name"] in TICKET_FAULTS:
+            assert_refused_without_a_read(fault, log)
         assert fault["ok"], failed(fault, log)
+    if any(f["name"] in TICKET_FAULTS for f in report["faults"]):
+        assert_decode_named_each_refusal(log)
+
+
+#: why decode refuses each ticket fault (core.tickets' reasons)
+TICKET_REFUSAL = {
+    "other-request-ticket": "forged or edited",  # another request's block ids
+    "edited-ticket": "forged or edited",  # the lease moved
+    "replayed-ticket": "replayed",
+    "fake-prefill-ticket": "forged or edited",  # a made-up MAC under the run's key id
+}
+
+
+def assert_refused_without_a_read(fault, log):
+    """No NIXL transfer of decode ended while it answered (none was posted:
+    every posted read ends done or failed), the fault's own checks held."""
+    assert fault["nixl_reads"] == 0, failed(fault, log)
+    if fault["name"] == "other-request-ticket":
+        assert fault["victim_ok"] is True, failed(fault, log)
+    if fault["name"] == "replayed-ticket":
+        # the counters' control: the first use read, and got its tokens
+        assert fault["first_use_ok"] is True, failed(fault, log)
+        assert fault["first_use_nixl_reads"] > 0, failed(fault, log)
+    if fault["name"] == "fake-prefill-ticket":
+        assert fault["dialed"] in (None, 0), failed(fault, log)
+
+
+def assert_decode_named_each_refusal(log):
+    """Each decode engine's log names the refusal of each ticket fault it got,
+    with the reason (once per cell at least)."""
+    text = "".join(path.read_text(errors="replace") for path in log.log_dir.glob("decode*.log"))
+    for reason in set(TICKET_REFUSAL.values()):
+        cells = sum(1 for r in TICKET_REFUSAL.values() if r == reason) * len(POLICIES)
+        assert text.count(f"transfer ticket refused ({reason})") >= cells, (reason, log)
 
 
 def assert_moe_path(report, engines, amx: bool):
@@ -364,6 +400,7 @@ def test_stock_dense_matches_across_hosts(tmp_path):
         p_tp=1,
         d_tp=1,
         separate_hosts=True,
+        forged_read_probe=True,
     )
     first = tmp_path / "first"
     first.mkdir()
@@ -376,3 +413,10 @@ def test_stock_dense_matches_across_hosts(tmp_path):
     assert report["ok"], log
     assert_every_prompt_matches(report, log)
     assert_kv_crossed_the_link(report, log)
+    # #25: the request ours refuses as other-request-ticket (this prompt's
+    # params, another in-flight request's block ids): stock reads those
+    # blocks and answers HTTP 200 with tokens of neither prompt's reference
+    forged = report["forged_read"]
+    assert forged["nixl_reads"] > 0, failed(forged, log)
+    assert forged["http_status"] == 200, failed(forged, log)
+    assert forged["outcome"] == "wrong tokens", failed(forged, log)

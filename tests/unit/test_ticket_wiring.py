@@ -64,9 +64,12 @@ def prefill_params(prefill: NixlHMAConnector, request_id: str, blocks=(3, 4)) ->
     return json.loads(json.dumps(params))
 
 
-def decode_metadata(decode: NixlHMAConnector, params_by_request: dict[str, dict]):
+def decode_metadata(
+    decode: NixlHMAConnector, params_by_request: dict[str, dict], external_tokens: int = 40
+):
     """Decode's connector metadata after upstream's ``update_state_after_alloc``
-    took each request (three local blocks each)."""
+    took each request (three local blocks each; none with ``external_tokens``
+    0, as for vLLM's notify-only copy of a request)."""
     for number, (request_id, params) in enumerate(params_by_request.items()):
         request = Request(
             request_id=request_id,
@@ -77,7 +80,7 @@ def decode_metadata(decode: NixlHMAConnector, params_by_request: dict[str, dict]
         blocks = KVCacheBlocks(
             blocks=([KVCacheBlock(block_id=10 * (number + 1) + i) for i in range(3)],)
         )
-        decode.update_state_after_alloc(request, blocks, num_external_tokens=40)
+        decode.update_state_after_alloc(request, blocks, num_external_tokens=external_tokens)
     return decode.build_connector_meta(None)
 
 
@@ -95,6 +98,23 @@ def test_a_ticket_prefill_signed_is_honoured_once_then_refused_as_replayed(monke
         metadata = decode_metadata(decode, {"d-2": dict(params)})
     assert metadata.reqs_to_recv == {} and list(refused_of(metadata)) == ["d-2"]
     assert "request d-2: transfer ticket refused (replayed)" in caplog.text
+
+
+def test_a_notify_only_copy_may_reuse_its_consumed_ticket_and_a_forged_one_is_dropped(
+    monkeypatch,
+):
+    """After an error answer vLLM's serving layer sends a copy of the request
+    with no block to read, only so that prefill frees its blocks: it carries
+    the params the read consumed, and must notify; a forged one notifies no
+    one."""
+    prefill, decode = connector(monkeypatch, KEY_LINE_1), connector(monkeypatch, KEY_LINE_1)
+    params = prefill_params(prefill, "p-1")
+    assert list(decode_metadata(decode, {"d-1": dict(params)}).reqs_to_recv) == ["d-1"]
+    metadata = decode_metadata(decode, {"d-1-copy": dict(params)}, external_tokens=0)
+    assert list(metadata.reqs_to_recv) == ["d-1-copy"] and refused_of(metadata) == {}
+    forged = {**params, "remote_host": "10.9.9.9"}
+    metadata = decode_metadata(decode, {"d-2-copy": forged}, external_tokens=0)
+    assert metadata.reqs_to_recv == {} and list(refused_of(metadata)) == ["d-2-copy"]
 
 
 def edited(params: dict, **fields) -> dict:

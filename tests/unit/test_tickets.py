@@ -211,11 +211,25 @@ def test_a_book_signs_for_its_ttl_and_consumes_only_when_asked():
 def test_refusals_judges_each_request_and_names_only_the_refused():
     book = TicketBook(KEYS, clock=lambda: NOW)
     good, bad = book.signed(dict(PARAMS)), {**book.signed(dict(PARAMS)), "remote_port": 1}
-    refused = refusals(book, [("r-good", good), ("r-bad", bad), ("r-none", None)])
+    entries = [("r-good", good, True), ("r-bad", bad, True), ("r-none", None, True)]
+    refused = refusals(book, entries)
     assert {k: e.reason for k, e in refused.items()} == {
         "r-bad": "forged or edited",
         "r-none": "missing",
     }
+
+
+def test_a_request_that_reads_nothing_may_use_a_consumed_ticket_but_not_a_forged_one():
+    """vLLM's notify-only copy of a failed request carries the params its read
+    consumed; its notification frees prefill's blocks and must still go."""
+    book = TicketBook(KEYS, clock=lambda: NOW)
+    params = book.signed(dict(PARAMS))
+    assert refusals(book, [("read", params, True)]) == {}
+    assert refusals(book, [("notify", params, False)]) == {}
+    assert refusals(book, [("notify", params, False)]) == {}  # not consumed either
+    assert refusals(book, [("again", params, True)])["again"].reason == "replayed"
+    forged = {**params, "remote_host": "10.9.9.9"}
+    assert refusals(book, [("notify", forged, False)])["notify"].reason == "forged or edited"
 
 
 @pytest.mark.parametrize(

@@ -319,14 +319,18 @@ class TicketBook:
 
 
 def refusals(
-    book: TicketBook, entries: Iterable[tuple[str, Mapping[str, Any] | None]]
+    book: TicketBook, entries: Iterable[tuple[str, Mapping[str, Any] | None, bool]]
 ) -> dict[str, TicketError]:
     """Decode's judgement of the requests it is about to receive, as
-    ``(request id, kv_transfer_params)``: {request id: why it is refused}
-    for each it must not read for. Every ticket judged is consumed."""
+    ``(request id, kv_transfer_params, reads)``: {request id: why it is
+    refused} for each it must not go on with. A ticket judged for a read is
+    consumed. One judged for a request that reads nothing (``reads`` false:
+    vLLM's notify-only copy of a request that failed or hit decode's prefix
+    cache, which only tells prefill to free the blocks) is not, and may have
+    been consumed already: the notification is the ticket holder's due."""
     refused = {}
-    for request_id, params in entries:
-        error = book.refusal(params)
+    for request_id, params, reads in entries:
+        error = book.refusal(params, consume=reads)
         if error is not None:
             refused[request_id] = error
     return refused

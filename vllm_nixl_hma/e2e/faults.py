@@ -14,6 +14,29 @@ and breaks the transfer before decode reads:
   first block (as a client may send them: ``kv_transfer_params`` is part of
   the request body), so decode's blocks cannot be paired with prefill's.
 
+Ours runs with a ticket key (``tickets``): the faults above stand for a
+prefill that signed what it should not have, so their edited params are
+signed again with the run's key and reach the check behind the ticket. The
+ticket's own faults (``TICKET_FAULTS``) are what a client without the key
+can send:
+
+* ``other-request-ticket``: prefill computes another prompt (the victim, left
+  in flight), and this request's params carry the victim's block ids under
+  this request's ticket. Then the victim's own request must get its tokens.
+* ``edited-ticket``: the params' lease end moved an hour later (a harmless
+  edit without tickets: the read would succeed).
+* ``replayed-ticket``: the params are sent twice; the first must get the
+  reference tokens (and a NIXL read), the second is the fault.
+* ``fake-prefill-ticket``: the params name an engine and a side channel of
+  the test's own (a TCP listener that counts who dials it), with a made-up
+  ticket under the run's key id.
+
+For each, decode's NIXL transfer counters (``vllm:nixl_xfer_time_seconds``
+and ``vllm:nixl_num_failed_transfers``) must not move while it answers: no
+read ended, so none was posted that could have. Stock, without tickets, is
+sent the same ``other-request-ticket`` request once (``e2e``'s
+``forged_read_probe``) and decodes this prompt on the victim's KV.
+
 With ``--separate-hosts`` (``NETWORK_FAULTS``), faults of the network between
 the hosts:
 
@@ -43,13 +66,17 @@ correctly (a P/D request while prefill lives, else a plain one).
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_nixl_hma import proxy
-from vllm_nixl_hma.core import lease
+from vllm_nixl_hma.core import lease, tickets
 from vllm_nixl_hma.e2e.servers import HTTPResult, post_json
 
 __all__ = [
@@ -57,6 +84,10 @@ __all__ = [
     "FAULTS",
     "NETWORK_FAULTS",
     "POLICIES",
+    "TICKET_FAULTS",
+    "FakePrefill",
+    "forged_params",
+    "victim_prompt_tokens",
     "LINK_FLAP_S",
     "MAY_DELIVER",
     "FaultResult",
@@ -67,7 +98,20 @@ __all__ = [
     "wanted_outcomes",
 ]
 
-FAULTS = ("side-channel-unreachable", "lease-expired", "unpairable-block-lists", "prefill-killed")
+#: what a client without the ticket key can send (``forged_params``)
+TICKET_FAULTS = (
+    "other-request-ticket",
+    "edited-ticket",
+    "replayed-ticket",
+    "fake-prefill-ticket",
+)
+FAULTS = (
+    "side-channel-unreachable",
+    "lease-expired",
+    "unpairable-block-lists",
+    *TICKET_FAULTS,
+    "prefill-killed",
+)
 #: faults of the link between hosts: ``e2e --separate-hosts`` only
 NETWORK_FAULTS = ("prefill-link-flap", "prefill-host-gone", "prefill-data-path-cut")
 #: how long ``prefill-link-flap`` keeps the data link down, seconds: longer
@@ -96,15 +140,40 @@ class FaultResult:
     #: request's answer ended (what engine log lines are matched against)
     sent_at: float = 0.0
     answered_at: float = 0.0
+    #: ticket faults: NIXL transfers of decode that ended (done or failed)
+    #: while it answered the broken request (None: no metric)
+    nixl_reads: int | None = None
+    #: other-request-ticket: the victim's own request got its reference tokens
+    victim_ok: bool | None = None
+    #: replayed-ticket: the first use got the reference tokens, with this
+    #: many NIXL transfers ended (the counters' control: they do move)
+    first_use_ok: bool | None = None
+    first_use_nixl_reads: int | None = None
+    #: fake-prefill-ticket: connections the fake prefill's listener accepted
+    #: (None: decode is on another host and could not reach it anyway)
+    dialed: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def broken_params(name: str, params: dict[str, Any], dead_port: int) -> dict[str, Any]:
+def broken_params(
+    name: str,
+    params: dict[str, Any],
+    dead_port: int,
+    keys: Sequence[tickets.Key] | None = None,
+) -> dict[str, Any]:
     """``params`` as decode will see them after fault ``name`` (prefill-killed
-    breaks the engine, not the params)."""
-    params = dict(params)
+    breaks the engine, not the params), signed again with ``keys`` when
+    given and the fault edited them: the check behind the ticket is meant."""
+    edited = _edited(name, dict(params), dead_port)
+    if keys is None or edited == params:
+        return edited
+    unsigned = {k: v for k, v in edited.items() if k != tickets.PARAM}
+    return tickets.sign(unsigned, keys, time.time() + 60.0)
+
+
+def _edited(name: str, params: dict[str, Any], dead_port: int) -> dict[str, Any]:
     if name == "side-channel-unreachable":
         # an engine decode has not met, whose side channel nobody serves (with
         # the live engine's id decode would read over the agent it already has)
@@ -120,6 +189,80 @@ def broken_params(name: str, params: dict[str, Any], dead_port: int) -> dict[str
         else:
             params["remote_block_ids"] = ids[:1]
     return params
+
+
+def victim_prompt_tokens(fault_prompt_tokens: int) -> int:
+    """The victim's prompt length for ``other-request-ticket``: one token off
+    the fault's own, in as many logical blocks of any multiple of 16 tokens
+    (decode pairs its blocks with the victim's one for one)."""
+    return fault_prompt_tokens + 1 if fault_prompt_tokens % 16 else fault_prompt_tokens - 1
+
+
+def forged_params(
+    name: str,
+    params: dict[str, Any],
+    victim_params: dict[str, Any] | None = None,
+    fake_prefill: tuple[str, int] | None = None,
+) -> dict[str, Any]:
+    """What a client without the key sends for ticket fault ``name``, made
+    of ``params`` prefill signed for this request."""
+    if name == "other-request-ticket":
+        return {**params, "remote_block_ids": victim_params["remote_block_ids"]}
+    if name == "edited-ticket":
+        return {**params, lease.PARAM: params[lease.PARAM] + 3600.0}
+    if name == "replayed-ticket":
+        return dict(params)
+    if name == "fake-prefill-ticket":
+        host, port = fake_prefill
+        ticket = params.get(tickets.PARAM) or {}
+        made_up = {"v": 1, "kid": ticket.get("kid", "e2e"), "exp": time.time() + 60.0}
+        return {
+            **params,
+            "remote_engine_id": f"fake-prefill-{uuid.uuid4()}",
+            "remote_host": host,
+            "remote_port": port,
+            tickets.PARAM: {**made_up, "mac": "00" * 32},
+        }
+    raise ValueError(f"not a ticket fault: {name}")
+
+
+class FakePrefill:
+    """A TCP listener standing in for a prefill engine's side channel: it
+    accepts and counts connections, and answers nothing."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self._sock = socket.create_server((host, 0))
+        self._sock.settimeout(0.2)
+        self.address = (host, self._sock.getsockname()[1])
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._sock.close()
+
+
+@contextlib.contextmanager
+def fake_prefill(host: str = "127.0.0.1") -> Iterator[FakePrefill]:
+    listener = FakePrefill(host)
+    try:
+        yield listener
+    finally:
+        listener.close()
 
 
 def verdict(
@@ -155,12 +298,18 @@ def prefill(prefill_url: str, body: dict[str, Any], timeout_s: float) -> dict[st
 
 
 def decode(
-    decode_url: str, name: str, body: dict[str, Any], params, dead_port: int, timeout_s: float
+    decode_url: str,
+    name: str,
+    body: dict[str, Any],
+    params,
+    dead_port: int,
+    timeout_s: float,
+    keys: Sequence[tickets.Key] | None = None,
 ) -> HTTPResult:
     """Decode's answer to ``body`` with the params fault ``name`` left it."""
     return post_json(
         decode_url,
         "/v1/completions",
-        {**body, "kv_transfer_params": broken_params(name, params, dead_port)},
+        {**body, "kv_transfer_params": broken_params(name, params, dead_port, keys)},
         timeout_s,
     )

@@ -17,6 +17,7 @@ import json
 import math
 import random
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from vllm_nixl_hma.e2e.servers import (
 )
 
 __all__ = ["E2EOptions", "PromptResult", "run_e2e"]
+
+#: the environment variable e2e hands our engines their ticket key in
+TICKET_KEYS_ENV = "VLLM_NIXL_HMA_E2E_TICKET_KEYS"
 
 MAX_TOKENS = 8
 #: the prompt every fault is injected into: several logical blocks on both sides
@@ -91,6 +95,10 @@ class E2EOptions:
     decode_dp: int = 1
     #: the P/D router: ``proxy`` (this package's) or ``vllm-router`` (vLLM's)
     router: str = "proxy"
+    #: after the prompts, send decode one ``other-request-ticket`` request
+    #: (``faults``) and report what it answered (``forged_read``): how stock,
+    #: which has no tickets, reads another request's blocks
+    forged_read_probe: bool = False
 
 
 @dataclass
@@ -380,8 +388,11 @@ def _run_engines(
 ) -> dict[str, Any]:
     """The reference, prefill and decode engines, the prompts and the faults;
     every engine started is appended to ``engines``."""
+    from vllm_nixl_hma.core import tickets
+    from vllm_nixl_hma.e2e import faults
     from vllm_nixl_hma.harness.coordinator import free_port
 
+    ticket_key_line = f"e2e {secrets.token_hex(32)}"
     # 1. the reference: one engine, no connector
     progress("starting the reference engine (TP 1, no connector)")
     reference = servers.start_engine(
@@ -413,6 +424,8 @@ def _run_engines(
         # And each engine worker's NIXL progress thread polls without pause
         # unless told to wait: with seven engines on 2 cores those threads
         # starved the side channel past even 15 s (core/progress_thread.py).
+        # And tickets, as an operator should run ours: a key made for this run,
+        # handed over in the environment (never on a command line or in a log)
         specs = [
             dataclasses.replace(
                 spec,
@@ -421,10 +434,15 @@ def _run_engines(
                     "side_channel_timeout_s": E2E_SIDE_CHANNEL_TIMEOUT_S,
                     "read_timeout_s": E2E_READ_TIMEOUT_S,
                     "progress_thread_delay_us": E2E_PROGRESS_THREAD_DELAY_US,
+                    "ticket_keys_env": TICKET_KEYS_ENV,
                 },
+                extra_env={**spec.extra_env, TICKET_KEYS_ENV: ticket_key_line},
             )
             for spec in specs
         ]
+        ticket_keys = tickets.parse_keys(ticket_key_line, "e2e's key")
+    else:
+        ticket_keys = None
     results: list[PromptResult] = []
     progress(
         f"starting prefill (TP {options.p_tp}) and decode (TP {options.d_tp}) with "
@@ -503,8 +521,21 @@ def _run_engines(
     # after the faults (prefill killed last), the same pairs again: new prompts
     survivors = "prefill-killed" in options.faults and len(prefills) > 1
     after_lengths = [n + 1 for n in lengths[1]] if survivors else []
-    all_lengths = (
-        lengths[0] + lengths[1] + after_lengths + [fault_prompt_tokens(f) for f in options.faults]
+    forged = "other-request-ticket"
+    # the forged request's own prompt, and its victim's (``faults.forged_params``)
+    forged_lengths = (
+        [fault_prompt_tokens(forged), faults.victim_prompt_tokens(fault_prompt_tokens(forged))]
+        if forged in options.faults or options.forged_read_probe
+        else []
+    )
+    all_lengths = sorted(
+        {
+            *lengths[0],
+            *lengths[1],
+            *after_lengths,
+            *(fault_prompt_tokens(f) for f in options.faults),
+            *forged_lengths,
+        }
     )
     progress(f"reference answers {len(all_lengths) + 1} prompts")
     expected = {
@@ -574,8 +605,14 @@ def _run_engines(
                 options,
                 progress,
                 placement,
+                ticket_keys,
             )
         ]
+    if options.forged_read_probe:
+        progress("a forged ticket: this prompt's params with another request's block ids")
+        report["forged_read"] = _ticket_cells(
+            "other-request-ticket", prefill, {"fail": decode}, expected, options, placement
+        )[0].as_json()
     after: list[PromptResult] = []
     if survivors:
         progress(f"after the faults, {prefill.name} is gone: P/D prompts of {after_lengths} tokens")
@@ -729,7 +766,9 @@ def _link_report(before, after, kv_before, decode) -> dict[str, Any]:
     return {"bytes_during_prompts": grown, "kv_bytes_read": kv}
 
 
-def _faults(prefill, decode_by_policy, expected, options, progress, placement: Placement):
+def _faults(
+    prefill, decode_by_policy, expected, options, progress, placement: Placement, ticket_keys
+):
     """Each fault under each policy on its own decode engine (``faults``)."""
     from vllm_nixl_hma.e2e import faults
     from vllm_nixl_hma.harness.coordinator import free_port
@@ -743,6 +782,9 @@ def _faults(prefill, decode_by_policy, expected, options, progress, placement: P
             result = faults.FaultResult(name, "-", error="needs separate hosts")
             results.append(result)
             continue
+        if name in faults.TICKET_FAULTS:
+            results += _ticket_cells(name, prefill, decode_by_policy, expected, options, placement)
+            continue
         body = completion(prompt_ids(fault_prompt_tokens(name)))
         expected_tokens, _ = _tokens(expected[fault_prompt_tokens(name)])
         params = {policy: faults.prefill(prefill.url, body, t) for policy in faults.POLICIES}
@@ -752,7 +794,7 @@ def _faults(prefill, decode_by_policy, expected, options, progress, placement: P
             results += _fault_cells(
                 name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t,
                 reachable=prefill.alive() and name not in _UNPLUGGED,
-                placement=placement,
+                placement=placement, ticket_keys=ticket_keys,
             )  # fmt: skip
     return results
 
@@ -807,7 +849,7 @@ def _link_flap(name: str, placement: Placement):
 
 def _fault_cells(
     name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t, reachable,
-    placement,
+    placement, ticket_keys=None,
 ):  # fmt: skip
     """Fault ``name``'s cell under each policy: decode's answer to the broken
     request (a flap's cell inside ``_link_flap``), then the same engine's next
@@ -823,7 +865,9 @@ def _fault_cells(
             continue
         with _link_flap(name, placement):
             started = time.monotonic()
-            answer = faults.decode(decode_server.url, name, body, params[policy], dead_port, t)
+            answer = faults.decode(
+                decode_server.url, name, body, params[policy], dead_port, t, ticket_keys
+            )
             result.elapsed_s = round(time.monotonic() - started, 1)
         tokens, _ = _tokens(answer)
         faults.verdict(result, answer, expected_tokens, tokens)
@@ -842,6 +886,111 @@ def _fault_cells(
         result.ok = result.ok and result.next_request_ok
         results.append(result)
     return results
+
+
+def _ticket_cells(name, prefill, decode_by_policy, expected, options, placement):
+    """Ticket fault ``name``'s cell under each policy (``faults.TICKET_FAULTS``):
+    decode's answer to what a client without the key sends, the NIXL
+    transfers that ended meanwhile, the fault's own checks, then the same
+    engine's next P/D request."""
+    from vllm_nixl_hma.e2e import faults
+
+    t = options.request_timeout_s
+    n = fault_prompt_tokens(name)
+    body = completion(prompt_ids(n))
+    expected_tokens, _ = _tokens(expected[n])
+    results = []
+    for policy, decode_server in decode_by_policy.items():
+        result = faults.FaultResult(name, policy)
+        params = faults.prefill(prefill.url, body, t)
+        victim_n = faults.victim_prompt_tokens(n)
+        victim_body = completion(prompt_ids(victim_n))
+        victim = (
+            faults.prefill(prefill.url, victim_body, t) if name == "other-request-ticket" else {}
+        )
+        if params is None or victim is None:
+            result.error = "prefill returned no kv_transfer_params"
+            results.append(result)
+            continue
+        if name == "replayed-ticket":  # the first use: read, and right
+            reads_before = _nixl_reads_ended(decode_server)
+            first = post_json(
+                decode_server.url, "/v1/completions", {**body, "kv_transfer_params": params}, t
+            )
+            result.first_use_ok = first.status == 200 and _tokens(first)[0] == expected_tokens
+            result.first_use_nixl_reads = _reads_between(reads_before, decode_server)
+        # the fake prefill listens on this host's loopback: a decode engine on
+        # another host could not reach it, so only one on this host counts
+        on_this_host = placement.topology is None
+        with faults.fake_prefill() as fake:
+            forged = faults.forged_params(name, params, victim, fake.address)
+            reads_before = _nixl_reads_ended(decode_server)
+            started = time.monotonic()
+            answer = post_json(
+                decode_server.url, "/v1/completions", {**body, "kv_transfer_params": forged}, t
+            )
+            result.elapsed_s = round(time.monotonic() - started, 1)
+            result.nixl_reads = _reads_between(reads_before, decode_server)
+            if name == "fake-prefill-ticket" and on_this_host:
+                result.dialed = fake.connections
+        faults.verdict(result, answer, expected_tokens, _tokens(answer)[0])
+        if name == "other-request-ticket":  # the victim's own request, untouched
+            victim_answer = post_json(
+                decode_server.url,
+                "/v1/completions",
+                {**victim_body, "kv_transfer_params": victim},
+                t,
+            )
+            victim_tokens, _ = _tokens(expected[victim_n])
+            result.victim_ok = (
+                victim_answer.status == 200 and _tokens(victim_answer)[0] == victim_tokens
+            )
+        next_params = faults.prefill(prefill.url, body, t)
+        next_answer = post_json(
+            decode_server.url, "/v1/completions", {**body, "kv_transfer_params": next_params}, t
+        )
+        result.sent_at = round(answer.sent_at, 2)
+        result.answered_at = round(next_answer.answered_at, 2)
+        result.next_request_ok = (
+            next_answer.status == 200 and _tokens(next_answer)[0] == expected_tokens
+        )
+        result.ok = (
+            result.ok
+            and result.next_request_ok
+            and result.nixl_reads == 0
+            and result.victim_ok is not False
+            and result.dialed in (None, 0)
+            and (
+                name != "replayed-ticket"
+                or (result.first_use_ok and (result.first_use_nixl_reads or 0) > 0)
+            )
+        )
+        results.append(result)
+    return results
+
+
+#: vLLM's NIXL transfers that failed, per engine label set
+_NIXL_FAILED = re.compile(r"^vllm:nixl_num_failed_transfers_total(?:\{[^}]*\})?\s+(\S+)$", re.M)
+
+
+def _nixl_reads_ended(decode) -> int | None:
+    """NIXL transfers of ``decode`` that ended so far, done or failed (every
+    read posted ends one way or the other, or is abandoned as failed after
+    ``read_timeout_s``); None when the metrics are not there."""
+    done = kv_reads_by_dp_rank(decode)
+    try:
+        status, text = decode.get("/metrics")
+    except OSError:
+        return None
+    failed = _NIXL_FAILED.findall(text) if status == 200 else []
+    if not done and not failed:
+        return None
+    return sum(done.values()) + int(sum(float(value) for value in failed))
+
+
+def _reads_between(before: int | None, decode) -> int | None:
+    after = _nixl_reads_ended(decode)
+    return None if before is None or after is None else after - before
 
 
 def _pd(router_url: str, n: int, options: E2EOptions) -> HTTPResult:

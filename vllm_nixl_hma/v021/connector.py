@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (  # noq
 )
 from vllm.logger import init_logger  # noqa: E402
 
-from vllm_nixl_hma.core import lease, tickets, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core import blocks, lease, tickets, upstream_contract  # noqa: E402
 from vllm_nixl_hma.v021.lease_checks import LEASE_DEADLINES_ATTR  # noqa: E402
 from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker  # noqa: E402
 
@@ -160,7 +160,10 @@ class NixlHMAConnector(NixlConnector):
         )
         refused = tickets.refusals(
             self._tickets,
-            ((request_id, request.kv_transfer_params) for request_id, (request, _) in entries),
+            (
+                (request_id, request.kv_transfer_params, blocks.has_local_blocks(local_ids))
+                for request_id, (request, local_ids) in entries
+            ),
         )
         for request_id, error in refused.items():
             logger.error(tickets.REFUSED, request_id, error)

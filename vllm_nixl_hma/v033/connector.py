@@ -183,7 +183,11 @@ class NixlHMAConnector(NixlPullConnector):
         )
         refused = tickets.refusals(
             self._tickets,
-            ((request_id, entry[0].kv_transfer_params) for request_id, entry in entries),
+            (
+                # (request, local block ids, cached, awaiting KV): 0.33's entry
+                (request_id, entry[0].kv_transfer_params, entry[3] or any(entry[1]))
+                for request_id, entry in entries
+            ),
         )
         for request_id, error in refused.items():
             logger.error(tickets.REFUSED, request_id, error)

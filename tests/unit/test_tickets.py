@@ -243,3 +243,34 @@ def test_configured_ttl_s_takes_positive_numbers_only(value, ok):
         with pytest.raises(ValueError, match="ticket_ttl_s"):
             configured_ttl_s({"ticket_ttl_s": value})
     assert configured_ttl_s({}) == DEFAULT_TTL_S
+
+
+def _off_by_one_ulp(value: float) -> float:
+    import math
+
+    return math.nextafter(value, math.inf)
+
+
+def test_floats_a_ticket_binds_are_cut_to_milliseconds_that_any_json_parser_reads_exactly():
+    """vllm-router re-serializes ``kv_transfer_params`` with a float parser
+    that may move a 17-digit float by one unit in the last place (seen: 3 of
+    9 P/D requests refused as edited). A float of at most 15 significant
+    digits is read exactly by a fast-path parser (one correctly rounded
+    division), so prefill signs only such floats."""
+    import json
+
+    lease_end = 1_764_762_540.123_456_7  # time.time() + 480, as repr writes it: 17 digits
+    book = TicketBook(KEYS, ttl_s=480.0, clock=lambda: 1_764_762_060.987_654_3)
+    params = book.signed(
+        {**PARAMS, lease.PARAM: lease_end, "remote_blocks_expiry_time": 12.3456789}
+    )
+    for value in (params[lease.PARAM], params[PARAM]["exp"], params["remote_blocks_expiry_time"]):
+        digits = json.dumps(value).replace(".", "").lstrip("0")
+        assert len(digits) <= 15, value
+        assert float(json.dumps(value)) == value
+    assert params[lease.PARAM] == 1_764_762_540.123  # cut down, never up
+    assert params["remote_blocks_expiry_time"] == 12.345
+    assert book.refusal(params, consume=False) is None
+    # the failure the cut avoids: one unit in the last place is an edit
+    moved = {**params, lease.PARAM: _off_by_one_ulp(params[lease.PARAM])}
+    assert book.refusal(moved).reason == "forged or edited"

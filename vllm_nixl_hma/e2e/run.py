@@ -945,14 +945,21 @@ def _ticket_cells(name, prefill, decode_by_policy, expected, options, placement)
             result.victim_ok = (
                 victim_answer.status == 200 and _tokens(victim_answer)[0] == victim_tokens
             )
-        next_params = faults.prefill(prefill.url, body, t)
+        # the next request: the genuine params, whose ticket the forged ones did
+        # not consume (their MAC did not match), so that decode reads and
+        # prefill frees their blocks (left held, they filled prefill's small
+        # KV cache until its lease ran out); a replayed ticket's first use
+        # freed its blocks, so that cell asks prefill again
+        next_params = faults.prefill(prefill.url, body, t) if name == "replayed-ticket" else params
         next_answer = post_json(
             decode_server.url, "/v1/completions", {**body, "kv_transfer_params": next_params}, t
         )
         result.sent_at = round(answer.sent_at, 2)
         result.answered_at = round(next_answer.answered_at, 2)
         result.next_request_ok = (
-            next_answer.status == 200 and _tokens(next_answer)[0] == expected_tokens
+            next_params is not None
+            and next_answer.status == 200
+            and _tokens(next_answer)[0] == expected_tokens
         )
         result.ok = (
             result.ok

@@ -39,6 +39,8 @@ from vllm_nixl_hma.e2e.servers import (
 
 __all__ = ["E2EOptions", "PromptResult", "run_e2e"]
 
+#: bad queries thrown at prefill's side channel before the P/D prompts (ours only)
+SIDE_CHANNEL_BARRAGE_FRAMES = 1000
 #: the environment variable e2e hands our engines their ticket key in
 TICKET_KEYS_ENV = "VLLM_NIXL_HMA_E2E_TICKET_KEYS"
 
@@ -554,6 +556,12 @@ def _run_engines(
         options.request_timeout_s,
     )
     servers.stop(reference)
+    if options.connector == "NixlHMAConnector":
+        # #25: prefill's side channel takes a barrage of bad queries from raw
+        # ZMQ clients, then must answer every rank, and the P/D prompts below
+        # (decode's first handshake) must go through it
+        progress(f"{SIDE_CHANNEL_BARRAGE_FRAMES} bad queries at prefill's side channel")
+        report["side_channel_barrage"] = _side_channel_barrage(specs[0], options.p_tp)
     router = _start_router(prefills, decodes, options, placement, servers)
     router_url = router.url
     link_before = _link_counters(placement)
@@ -631,8 +639,10 @@ def _run_engines(
     report["prompts"] = [r.as_json() for r in results]
     report["pairs"] = pair_counts(prefills, decodes, results)
     report["after_faults"] = [r.as_json() for r in after]
+    barrage_report = report.get("side_channel_barrage")
     report["ok"] = (
-        every_dp_rank_read(report.get("decode_dp_reads"), options.decode_dp)
+        (barrage_report is None or all(barrage_report["ranks_answered_after"]))
+        and every_dp_rank_read(report.get("decode_dp_reads"), options.decode_dp)
         and bool(results)
         and all(r.match and r.http_status == 200 for r in results)
         and all(f["ok"] for f in report["faults"])
@@ -641,6 +651,19 @@ def _run_engines(
         and survivors_served(after, gone=prefill.name)
     )
     return report
+
+
+def _side_channel_barrage(prefill_spec, p_tp: int) -> dict[str, Any]:
+    """``e2e.barrage`` at the first prefill engine's side channel, then one
+    real query per prefill rank: what was sent, and which ranks answered."""
+    from vllm_nixl_hma.e2e import barrage
+
+    host, port = prefill_spec.host, prefill_spec.side_channel_port
+    sent = barrage.barrage(host, port, frames=SIDE_CHANNEL_BARRAGE_FRAMES)
+    answered = [
+        barrage.handshake_ok(host, port, tp_rank=rank, timeout_s=15.0) for rank in range(p_tp)
+    ]
+    return {"sent": sent, "ranks_answered_after": answered}
 
 
 def _start_router(prefills, decodes, options, placement, servers) -> routers.StartedRouter:

@@ -23,13 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
     NixlConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (  # noqa: E402
-    NixlConnectorScheduler,
-)
 from vllm.logger import init_logger  # noqa: E402
 
 from vllm_nixl_hma.core import blocks, lease, tickets, upstream_contract  # noqa: E402
 from vllm_nixl_hma.v021.lease_checks import LEASE_DEADLINES_ATTR  # noqa: E402
+from vllm_nixl_hma.v021.listener import NixlHMAConnectorScheduler  # noqa: E402
 from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker  # noqa: E402
 
 if TYPE_CHECKING:
@@ -86,7 +84,7 @@ class NixlHMAConnector(NixlConnector):
         self.kv_cache_config = kv_cache_config
         self.engine_id = kv_transfer_config.engine_id
         self.kv_transfer_config = kv_transfer_config
-        self.connector_scheduler: NixlConnectorScheduler | None = None
+        self.connector_scheduler: NixlHMAConnectorScheduler | None = None
         self.connector_worker: NixlHMAConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             # a bad key file or ticket_ttl_s stops startup here, naming the key
@@ -95,7 +93,8 @@ class NixlHMAConnector(NixlConnector):
             )
             if not self._tickets.enabled:
                 logger.warning(tickets.NO_KEY_WARNING)
-            self.connector_scheduler = NixlConnectorScheduler(
+            # upstream's, with a side-channel listener that survives bad queries
+            self.connector_scheduler = NixlHMAConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
         elif role == KVConnectorRole.WORKER:

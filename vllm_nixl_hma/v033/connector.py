@@ -24,13 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noq
     NixlBaseConnector,
     NixlPullConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
-    NixlPullConnectorScheduler,
-)
 from vllm.logger import init_logger  # noqa: E402
 
 from vllm_nixl_hma.core import lease, tickets, upstream_contract  # noqa: E402
 from vllm_nixl_hma.v033.lease_checks import LEASE_EXTENSIONS_ATTR  # noqa: E402
+from vllm_nixl_hma.v033.listener import NixlHMAConnectorScheduler  # noqa: E402
 from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker  # noqa: E402
 
 if TYPE_CHECKING:
@@ -79,7 +77,8 @@ class NixlHMAConnector(NixlPullConnector):
             )
             if not self._tickets.enabled:
                 logger.warning(tickets.NO_KEY_WARNING)
-            self.connector_scheduler = NixlPullConnectorScheduler(
+            # upstream's, with a side-channel listener that survives bad queries
+            self.connector_scheduler = NixlHMAConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
             self.connector_worker = None

@@ -185,7 +185,12 @@ V033 = Contract(
         "xfer_stats",
     ),
     worker_registered_state=(),
-    connector_overrides=("build_connector_meta", "request_finished", "request_finished_all_groups"),
+    connector_overrides=(
+        "build_connector_meta",
+        "on_new_request",
+        "request_finished",
+        "request_finished_all_groups",
+    ),
     scheduler_overrides=(),
     scheduler_state=(),
 )

@@ -1,0 +1,212 @@
+"""vllm_nixl_hma.core.positions: kernel blocks paired by token position
+after a decode-side prefix-cache hit (#26), against a reference that places
+every block of both sides on the prompt's token axis."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+from vllm_nixl_hma.core.blocks import GroupKind, align_kernel_ids_by_group, logical_to_kernel_ids
+from vllm_nixl_hma.core.errors import BlockAlignmentError
+from vllm_nixl_hma.core.positions import (
+    NULL_BLOCK_ID,
+    TokenSpan,
+    pair_by_token_position,
+    span_for_prompt,
+)
+
+FULL = GroupKind.FULL_ATTENTION
+SWA = GroupKind.SLIDING_WINDOW
+MAMBA = GroupKind.MAMBA
+KERNEL_TOKENS = 2
+
+
+def side(num_logical: int, first_token: int, logical_tokens: int, ratio: int, rng):
+    """One side's full-attention blocks: logical ids drawn at random, their
+    kernel ids, and {kernel id: first token it holds} (the reference)."""
+    logical = rng.sample(range(1, 400), num_logical)
+    kernel = logical_to_kernel_ids(logical, ratio).tolist()
+    first_token_of = {
+        kid: first_token + position * (logical_tokens // ratio)
+        for position, kid in enumerate(kernel)
+    }
+    return kernel, first_token_of
+
+
+def cells():
+    for local_ratio, remote_ratio in itertools.product((1, 2, 3, 5), repeat=2):
+        local_logical = KERNEL_TOKENS * local_ratio
+        for prefill_tokens in range(1, 3 * KERNEL_TOKENS * 5 + 2):
+            for hit in range(0, prefill_tokens, local_logical):
+                yield local_ratio, remote_ratio, prefill_tokens, hit
+
+
+def test_every_read_block_pairs_with_the_block_of_the_same_tokens_exhaustive():
+    rng = random.Random(26)
+    checked = 0
+    for local_ratio, remote_ratio, prefill_tokens, hit in cells():
+        local_logical = KERNEL_TOKENS * local_ratio
+        remote_logical = KERNEL_TOKENS * remote_ratio
+        local, local_at = side(
+            math.ceil(prefill_tokens / local_logical) - hit // local_logical,
+            hit,
+            local_logical,
+            local_ratio,
+            rng,
+        )
+        remote, remote_at = side(
+            math.ceil(prefill_tokens / remote_logical), 0, remote_logical, remote_ratio, rng
+        )
+        span = TokenSpan(hit, prefill_tokens)
+        (local_out,), (remote_out,) = pair_by_token_position(
+            [local], [remote], [FULL], span, KERNEL_TOKENS, local_ratio, remote_ratio
+        )
+        pairs = dict(zip(local_out.tolist(), remote_out.tolist(), strict=True))
+        # every local block holding a token in [hit, prefill_tokens) is read,
+        # from the remote block holding the same tokens; no other is written
+        wanted = {kid for kid, token in local_at.items() if token < prefill_tokens}
+        assert set(pairs) == wanted, (local_ratio, remote_ratio, prefill_tokens, hit)
+        for local_id, remote_id in pairs.items():
+            assert local_at[local_id] == remote_at[remote_id]
+        checked += 1
+    assert checked > 500
+
+
+def test_count_rules_misread_the_same_decode_hits():
+    """The rules that look at list lengths only (``blocks``; vLLM 0.21.0 and
+    0.33.0 pair from the tail) pair a decode hit at unequal ratios with the
+    wrong tokens, or refuse it: the cells this module exists for."""
+    rng = random.Random(7)
+    misread = refused = 0
+    for local_ratio, remote_ratio, prefill_tokens, hit in cells():
+        if local_ratio == remote_ratio or hit == 0:
+            continue
+        local_logical, remote_logical = KERNEL_TOKENS * local_ratio, KERNEL_TOKENS * remote_ratio
+        local, local_at = side(
+            math.ceil(prefill_tokens / local_logical) - hit // local_logical,
+            hit,
+            local_logical,
+            local_ratio,
+            rng,
+        )
+        remote, remote_at = side(
+            math.ceil(prefill_tokens / remote_logical), 0, remote_logical, remote_ratio, rng
+        )
+        try:
+            (local_out,), (remote_out,) = align_kernel_ids_by_group(
+                [local], [remote], [FULL], local_ratio, remote_ratio
+            )
+        except BlockAlignmentError:
+            refused += 1
+            continue
+        if any(
+            local_at[a] != remote_at[b]
+            for a, b in zip(local_out.tolist(), remote_out.tolist(), strict=True)
+        ):
+            misread += 1
+    assert misread > 0 and refused > 0
+    assert misread + refused > 100
+
+
+def test_equal_ratios_pair_like_the_tail_rule():
+    local = list(range(10, 16))  # tokens 8..19 at kernel 2, ratio 2
+    remote = list(range(100, 110))  # tokens 0..19
+    (local_out,), (remote_out,) = pair_by_token_position(
+        [local], [remote], [FULL], TokenSpan(8, 20), KERNEL_TOKENS, 2, 2
+    )
+    assert local_out.tolist() == local
+    assert remote_out.tolist() == remote[4:]
+
+
+def test_padding_past_the_prompt_is_not_read():
+    # 5 tokens: 3 kernel blocks; decode's logical block of 8 tokens pads one
+    (local_out,), (remote_out,) = pair_by_token_position(
+        [[1, 2, 3, 4]], [[7, 8, 9]], [FULL], TokenSpan(0, 5), KERNEL_TOKENS, 4, 3
+    )
+    assert local_out.tolist() == [1, 2, 3]
+    assert remote_out.tolist() == [7, 8, 9]
+
+
+@pytest.mark.parametrize(
+    ("remote", "expected_state"),
+    [
+        ([42], 42),  # prefix caching off on prefill: one state block
+        ([NULL_BLOCK_ID, NULL_BLOCK_ID, 42], 42),  # 'align': nulls, then the running state
+        ([40, 41, 42], 42),  # 'all': a state per block boundary, the last running
+    ],
+)
+def test_mamba_reads_prefill_running_state_into_decode_state_block(remote, expected_state):
+    span = TokenSpan(4, 11)  # prefill: 11 tokens, logical blocks of 4 -> 3 blocks
+    local_out, remote_out = pair_by_token_position(
+        [[5, 6, 7, 8], [9]], [[1, 2, 3, 4, 5, 6], remote], [FULL, MAMBA], span, KERNEL_TOKENS, 2, 2
+    )
+    assert local_out[1].tolist() == [9]
+    assert remote_out[1].tolist() == [expected_state]
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "field"),
+    [
+        ([9, 10], [42], "decode Mamba state block count"),
+        ([9], [41, 42], "prefill Mamba state block count"),
+        ([9], [42, NULL_BLOCK_ID, NULL_BLOCK_ID], "prefill Mamba state block of group 1"),
+    ],
+)
+def test_mamba_lists_no_prompt_explains_are_refused(local, remote, field):
+    with pytest.raises(BlockAlignmentError, match=field):
+        pair_by_token_position(
+            [[5, 6, 7, 8], local],
+            [[1, 2, 3, 4, 5, 6], remote],
+            [FULL, MAMBA],
+            TokenSpan(4, 11),
+            KERNEL_TOKENS,
+            2,
+            2,
+        )
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "span", "field"),
+    [
+        # prefill sent one logical block too many for 11 tokens
+        ([5, 6, 7, 8], list(range(8)), TokenSpan(4, 11), "prefill kernel block count"),
+        # decode allocated one logical block fewer than its tokens need
+        ([5, 6], list(range(6)), TokenSpan(4, 11), "decode kernel block count"),
+        # a hit that is not whole decode logical blocks
+        ([5, 6, 7, 8], list(range(6)), TokenSpan(2, 11), "local_hit_tokens"),
+        # a hit as long as what prefill holds: nothing to read
+        ([5, 6], list(range(6)), TokenSpan(12, 11), "local_hit_tokens"),
+        ([5, 6], list(range(6)), TokenSpan(-4, 11), "local_hit_tokens"),
+    ],
+)
+def test_attention_lists_no_prompt_explains_are_refused(local, remote, span, field):
+    with pytest.raises(BlockAlignmentError, match=field):
+        pair_by_token_position([local], [remote], [FULL], span, KERNEL_TOKENS, 2, 2)
+
+
+def test_sliding_window_pairs_the_tail_at_equal_ratios_and_is_refused_otherwise():
+    local_out, remote_out = pair_by_token_position(
+        [[3, 4]], [[7, 8, 9]], [SWA], TokenSpan(0, 6), KERNEL_TOKENS, 1, 1
+    )
+    assert (local_out[0].tolist(), remote_out[0].tolist()) == ([3, 4], [8, 9])
+    with pytest.raises(BlockAlignmentError, match="sliding-window group 0"):
+        pair_by_token_position([[3, 4]], [[7, 8, 9]], [SWA], TokenSpan(0, 6), KERNEL_TOKENS, 2, 1)
+
+
+def test_group_count_and_empty_requests():
+    assert pair_by_token_position([], [[1]], [FULL], TokenSpan(0, 2), KERNEL_TOKENS, 1, 1) == (
+        [],
+        [],
+    )
+    with pytest.raises(BlockAlignmentError, match="number of KV cache groups"):
+        pair_by_token_position([[1]], [[1], [2]], [FULL], TokenSpan(0, 2), KERNEL_TOKENS, 1, 1)
+
+
+def test_span_for_prompt_is_prefill_tokens_less_what_is_read():
+    assert span_for_prompt(prefill_tokens=40, external_tokens=24) == TokenSpan(16, 40)
+    assert np.array_equal(np.asarray([TokenSpan(0, 3).prefill_tokens]), [3])

@@ -1,0 +1,244 @@
+"""Pure block arithmetic for prefix caching in P/D: pair kernel blocks by the
+token positions they hold.
+
+No vLLM, no torch. ``blocks.align_kernel_ids_by_group`` pairs lists from
+their lengths alone, which is right when decode had no prefix-cache hit or
+both sides round the prompt to logical blocks of one size. A decode-side hit
+at unequal kernel-per-logical ratios (a Mamba hybrid at heterogeneous TP)
+breaks both of its rules: decode's list starts at the hit, prefill's at token
+0, and their lengths differ by rounding too, so no rule on lengths can tell
+where decode's first block sits in prefill's list (docs/design.md section 7).
+Decode's scheduler knows: it hands its workers a ``TokenSpan`` per request,
+and this module pairs by it.
+
+Rules, for a request whose decode side holds tokens ``[0, local_hit_tokens)``
+already and reads ``[local_hit_tokens, prefill_tokens)`` from prefill
+(kernel blocks of ``kernel_block_tokens`` tokens on both sides, which the
+handshake checks):
+
+* full attention: decode's kernel block ``j`` holds the tokens of kernel
+  block ``local_hit_tokens / kernel_block_tokens + j`` of the prompt, and
+  prefill's list covers the prompt from token 0, so it pairs with prefill's
+  block of that index. Blocks past the prompt's last token are padding and
+  are not read. Prefill's list must hold exactly the kernel blocks of
+  ``cdiv(prefill_tokens, prefill logical block tokens)`` logical blocks.
+* sliding window: at equal ratios both lists end at the same kernel block,
+  so decode's list pairs with prefill's tail (vLLM 0.21.0's rule); at
+  unequal ratios the handshake refuses them and so does this.
+* Mamba: decode reads one state, prefill's state after ``prefill_tokens``
+  tokens, into the one state block it allocated. Prefill's list holds one
+  state block, or with prefix caching one block per logical block of which
+  the last holds the running state (vLLM's ``align`` and ``all`` Mamba cache
+  modes); vLLM's null block (id 0) is never a state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from vllm_nixl_hma.core.blocks import GroupKind, KernelIds
+from vllm_nixl_hma.core.errors import BlockAlignmentError
+
+__all__ = ["NULL_BLOCK_ID", "TokenSpan", "pair_by_token_position", "span_for_prompt"]
+
+#: vLLM's null block: never handed to a request, never holds KV or a state
+NULL_BLOCK_ID = 0
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """The prompt tokens of one request's read, as decode's scheduler saw them.
+
+    ``local_hit_tokens``: tokens decode's own prefix cache holds (a multiple
+    of decode's logical block tokens); ``prefill_tokens``: tokens prefill's
+    blocks hold (the prompt, less the last token for a Mamba hybrid, whose
+    decode recomputes it from the state).
+    """
+
+    local_hit_tokens: int
+    prefill_tokens: int
+
+    def check(self, local_logical_block_tokens: int) -> None:
+        """Raise ``BlockAlignmentError`` unless the span is one vLLM can make."""
+        for name, value in (
+            ("local_hit_tokens", self.local_hit_tokens),
+            ("prefill_tokens", self.prefill_tokens),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BlockAlignmentError(
+                    name, value, None, "a token count is a non-negative integer"
+                )
+        if self.local_hit_tokens >= self.prefill_tokens:
+            raise BlockAlignmentError(
+                "local_hit_tokens",
+                self.local_hit_tokens,
+                self.prefill_tokens,
+                "decode reads only when its prefix-cache hit is shorter than what prefill holds",
+            )
+        if self.local_hit_tokens % local_logical_block_tokens:
+            raise BlockAlignmentError(
+                "local_hit_tokens",
+                self.local_hit_tokens,
+                None,
+                f"a prefix-cache hit is whole logical blocks of "
+                f"{local_logical_block_tokens} tokens",
+            )
+
+
+def span_for_prompt(prefill_tokens: int, external_tokens: int) -> TokenSpan:
+    """The span of a request whose prefill holds ``prefill_tokens`` tokens
+    (vLLM's count: the prompt, less its last token on a Mamba hybrid) of
+    which decode reads ``external_tokens``, the rest being its own hit."""
+    return TokenSpan(prefill_tokens - external_tokens, prefill_tokens)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pair_full_attention(
+    local: npt.NDArray[np.int64],
+    remote: npt.NDArray[np.int64],
+    group_index: int,
+    span: TokenSpan,
+    kernel_block_tokens: int,
+    remote_physical_per_logical: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    prompt_kernel_blocks = _cdiv(span.prefill_tokens, kernel_block_tokens)
+    remote_expected = (
+        _cdiv(span.prefill_tokens, kernel_block_tokens * remote_physical_per_logical)
+        * remote_physical_per_logical
+    )
+    if len(remote) != remote_expected:
+        raise BlockAlignmentError(
+            f"prefill kernel block count of group {group_index}",
+            len(local),
+            len(remote),
+            f"prefill holds {span.prefill_tokens} tokens from token 0, which is "
+            f"{remote_expected} kernel blocks at its kernel-per-logical ratio "
+            f"{remote_physical_per_logical}",
+        )
+    first = span.local_hit_tokens // kernel_block_tokens
+    needed = prompt_kernel_blocks - first
+    if len(local) < needed:
+        raise BlockAlignmentError(
+            f"decode kernel block count of group {group_index}",
+            len(local),
+            len(remote),
+            f"decode reads tokens {span.local_hit_tokens}..{span.prefill_tokens - 1}, "
+            f"{needed} kernel blocks, but allocated fewer",
+        )
+    return local[:needed], remote[first:prompt_kernel_blocks]
+
+
+def _pair_mamba(
+    local: npt.NDArray[np.int64],
+    remote: npt.NDArray[np.int64],
+    group_index: int,
+    span: TokenSpan,
+    remote_logical_block_tokens: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    if len(local) != 1:
+        raise BlockAlignmentError(
+            f"decode Mamba state block count of group {group_index}",
+            len(local),
+            len(remote),
+            "decode receives one state into one block; more (Mamba cache mode "
+            "'all') would keep states at block boundaries nothing sent",
+        )
+    per_block = _cdiv(span.prefill_tokens, remote_logical_block_tokens)
+    if len(remote) not in (1, per_block):
+        raise BlockAlignmentError(
+            f"prefill Mamba state block count of group {group_index}",
+            len(local),
+            len(remote),
+            f"prefill holds one state block, or one per logical block of its "
+            f"{span.prefill_tokens} tokens ({per_block})",
+        )
+    state = remote[-1:]
+    if int(state[0]) == NULL_BLOCK_ID:
+        raise BlockAlignmentError(
+            f"prefill Mamba state block of group {group_index}",
+            local.tolist(),
+            remote.tolist(),
+            "the last block holds prefill's running state and cannot be vLLM's null block",
+        )
+    return local, state
+
+
+def pair_by_token_position(
+    local_kernel_ids_by_group: Sequence[KernelIds],
+    remote_kernel_ids_by_group: Sequence[KernelIds],
+    group_kinds: Sequence[GroupKind],
+    span: TokenSpan,
+    kernel_block_tokens: int,
+    local_physical_per_logical: int,
+    remote_physical_per_logical: int,
+) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]]]:
+    """Pair local and remote kernel blocks group by group by token position
+    (the module docstring's rules). Returns two lists of equal-length id
+    arrays: element ``i`` of a local array receives element ``i`` of the
+    remote one. Raises ``BlockAlignmentError`` for lists no prompt of the
+    span explains."""
+    if kernel_block_tokens < 1 or local_physical_per_logical < 1 or remote_physical_per_logical < 1:
+        raise BlockAlignmentError(
+            "kernel_block_tokens / physical_per_logical",
+            (kernel_block_tokens, local_physical_per_logical),
+            remote_physical_per_logical,
+            "block sizes are positive",
+        )
+    span.check(kernel_block_tokens * local_physical_per_logical)
+    if len(local_kernel_ids_by_group) == 0:
+        return [], []
+    group_count = len(group_kinds)
+    if len(local_kernel_ids_by_group) != group_count or (
+        len(remote_kernel_ids_by_group) != group_count
+    ):
+        raise BlockAlignmentError(
+            "number of KV cache groups",
+            len(local_kernel_ids_by_group),
+            len(remote_kernel_ids_by_group),
+            f"both sides must send one block list per KV cache group ({group_count})",
+        )
+    equal_ratios = local_physical_per_logical == remote_physical_per_logical
+    local_out: list[npt.NDArray[np.int64]] = []
+    remote_out: list[npt.NDArray[np.int64]] = []
+    for group_index, kind in enumerate(group_kinds):
+        local = np.asarray(local_kernel_ids_by_group[group_index], dtype=np.int64).reshape(-1)
+        remote = np.asarray(remote_kernel_ids_by_group[group_index], dtype=np.int64).reshape(-1)
+        if kind is GroupKind.MAMBA:
+            pair = _pair_mamba(
+                local,
+                remote,
+                group_index,
+                span,
+                kernel_block_tokens * remote_physical_per_logical,
+            )
+        elif kind is GroupKind.FULL_ATTENTION:
+            pair = _pair_full_attention(
+                local, remote, group_index, span, kernel_block_tokens, remote_physical_per_logical
+            )
+        elif equal_ratios:
+            if len(local) > len(remote):
+                raise BlockAlignmentError(
+                    f"kernel block count of group {group_index}",
+                    len(local),
+                    len(remote),
+                    "a sliding-window list of decode ends where prefill's does and "
+                    "cannot be the longer one",
+                )
+            pair = (local, remote[len(remote) - len(local) :])
+        else:
+            raise BlockAlignmentError(
+                "physical_blocks_per_logical_kv_block",
+                local_physical_per_logical,
+                remote_physical_per_logical,
+                f"sliding-window group {group_index} cannot be paired across unequal ratios",
+            )
+        local_out.append(pair[0])
+        remote_out.append(pair[1])
+    return local_out, remote_out

@@ -39,21 +39,78 @@ def build_config(
     connector: str | None,
     enable_prefix_caching: bool = True,
     disable_hybrid_kv_cache_manager: bool | None = None,
+    extra_config: dict | None = None,
+    mamba_cache_mode: str = "none",
+    enable_chunked_prefill: bool = True,
 ) -> VllmConfig:
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=1024)
     kv_transfer_config = (
-        KVTransferConfig(kv_connector=connector, kv_role="kv_consumer") if connector else None
+        KVTransferConfig(
+            kv_connector=connector,
+            kv_role="kv_consumer",
+            kv_connector_extra_config=extra_config or {},
+        )
+        if connector
+        else None
     )
     return VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(enable_prefix_caching=enable_prefix_caching),
+        cache_config=CacheConfig(
+            enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode
+        ),
         device_config=DeviceConfig("cpu"),
         scheduler_config=SchedulerConfig.default_factory(
             max_model_len=1024,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+            enable_chunked_prefill=enable_chunked_prefill,
         ),
         kv_transfer_config=kv_transfer_config,
     )
+
+
+OPT_IN = {"mamba_prefix_caching": True}
+
+
+def test_opted_in_hybrid_keeps_prefix_caching_in_align_mode(mocker):
+    """Without the hook vLLM 0.21.0 picks 'all' for this model (checked below
+    under stock), which would cache boundary states decode never received."""
+    warning = mocker.spy(config_hook.logger, "warning")
+    config = build_config(HYBRID, "NixlHMAConnector", extra_config=OPT_IN)
+    assert config.cache_config.enable_prefix_caching is True
+    assert config.cache_config.mamba_cache_mode == "align"
+    assert not [c for c in warning.call_args_list if "NixlHMAConnector" in c.args[0]]
+    stock = build_config(HYBRID, "NixlConnector", extra_config=OPT_IN)
+    assert stock.cache_config.mamba_cache_mode == "all"
+
+
+@pytest.mark.parametrize("text", ["true", " TRUE "])
+def test_opt_in_given_as_text_counts(text):
+    config = build_config(HYBRID, "NixlHMAConnector", extra_config={"mamba_prefix_caching": text})
+    assert config.cache_config.enable_prefix_caching is True
+
+
+def test_opt_in_with_prefix_caching_off_leaves_it_off():
+    config = build_config(
+        HYBRID, "NixlHMAConnector", enable_prefix_caching=False, extra_config=OPT_IN
+    )
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.mamba_cache_mode == "none"
+
+
+def test_opt_in_refuses_mamba_cache_mode_all_naming_it():
+    with pytest.raises(ValueError, match="--mamba-cache-mode all"):
+        build_config(HYBRID, "NixlHMAConnector", extra_config=OPT_IN, mamba_cache_mode="all")
+
+
+def test_opt_in_refuses_chunked_prefill_off_naming_it():
+    with pytest.raises(ValueError, match="chunked prefill"):
+        build_config(HYBRID, "NixlHMAConnector", extra_config=OPT_IN, enable_chunked_prefill=False)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, [True]])
+def test_a_bad_opt_in_value_stops_startup_naming_the_key(value):
+    with pytest.raises(ValueError, match="mamba_prefix_caching"):
+        build_config(HYBRID, "NixlHMAConnector", extra_config={"mamba_prefix_caching": value})
 
 
 def test_fixture_models_are_what_the_tests_assume():

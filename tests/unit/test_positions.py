@@ -198,6 +198,15 @@ def test_sliding_window_pairs_the_tail_at_equal_ratios_and_is_refused_otherwise(
         pair_by_token_position([[3, 4]], [[7, 8, 9]], [SWA], TokenSpan(0, 6), KERNEL_TOKENS, 2, 1)
 
 
+def test_a_group_this_remote_rank_is_no_source_of_stays_empty():
+    local_out, remote_out = pair_by_token_position(
+        [[5, 6, 7, 8], []], [[1, 2, 3, 4, 5, 6], []], [FULL, MAMBA], TokenSpan(4, 11), 2, 2, 2
+    )
+    assert local_out[1].tolist() == remote_out[1].tolist() == []
+    assert local_out[0].tolist() == [5, 6, 7, 8]
+    assert remote_out[0].tolist() == [3, 4, 5, 6]
+
+
 def test_group_count_and_empty_requests():
     assert pair_by_token_position([], [[1]], [FULL], TokenSpan(0, 2), KERNEL_TOKENS, 1, 1) == (
         [],

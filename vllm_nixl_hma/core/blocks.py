@@ -240,6 +240,7 @@ def check_alignable(
     local_physical_per_logical: int,
     remote_physical_per_logical: int,
     local_prefix_caching: bool,
+    pairs_by_position: bool = False,
 ) -> None:
     """Refuse, at handshake, a pairing that ``align_kernel_ids_by_group``
     could not do from block counts alone.
@@ -247,8 +248,11 @@ def check_alignable(
     Only unequal ratios are constrained: a local prefix-cache hit or a
     sliding-window clip removes leading blocks, which the leading-block rule
     would then misalign. The config hook turns prefix caching off for Mamba
-    hybrids, so this fires there only if the hook was bypassed; a dense model
-    served with a different --block-size on each side meets it too.
+    hybrids unless the operator opted in, so this fires there only if the
+    hook was bypassed; a dense model served with a different --block-size on
+    each side meets it too. ``pairs_by_position``: decode pairs by the token
+    positions its scheduler hands over (``positions``, the opt-in), which a
+    prefix-cache hit does not confuse; sliding-window groups stay refused.
     """
     for name, value in (
         ("local_physical_per_logical", local_physical_per_logical),
@@ -263,7 +267,7 @@ def check_alignable(
             )
     if local_physical_per_logical == remote_physical_per_logical:
         return
-    if local_prefix_caching:
+    if local_prefix_caching and not pairs_by_position:
         raise IncompatibleRemoteError(
             "physical_blocks_per_logical_kv_block",
             local_physical_per_logical,

@@ -6,7 +6,7 @@ number or as text; a bool is JSON's ``true``, never a count.
 
 from __future__ import annotations
 
-__all__ = ["whole_number"]
+__all__ = ["MAMBA_PREFIX_CACHING_KEY", "mamba_prefix_caching", "whole_number"]
 
 
 def whole_number(value: object) -> int | None:
@@ -19,3 +19,25 @@ def whole_number(value: object) -> int | None:
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
     return None
+
+
+#: ``kv_connector_extra_config`` key that keeps prefix caching on for a Mamba
+#: hybrid in P/D (docs/design.md section 7)
+MAMBA_PREFIX_CACHING_KEY = "mamba_prefix_caching"
+
+
+def mamba_prefix_caching(extra_config: object) -> bool:
+    """Whether the operator asked for prefix caching of a Mamba hybrid:
+    ``true`` or ``false`` (JSON, or that text); absent is ``false``.
+    ValueError naming the key and the value for anything else."""
+    value = (extra_config if isinstance(extra_config, dict) else {}).get(
+        MAMBA_PREFIX_CACHING_KEY, False
+    )
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if isinstance(value, bool):
+        return value
+    raise ValueError(
+        f"kv_connector_extra_config {MAMBA_PREFIX_CACHING_KEY!r} must be true or false, "
+        f"got {value!r}"
+    )

@@ -336,6 +336,9 @@ class Pairing:
     remote_ratio: int
     local_prefix_caching: bool
     remote_prefix_caching: bool | None = None
+    #: decode pairs by token position (``positions``; the Mamba prefix-caching
+    #: opt-in): prefix caching on either side then pairs at any ratio
+    pairs_by_position: bool = False
 
 
 def refuse_mismatches(checks: Iterable[FieldCheck], pairing: Pairing | None = None) -> None:
@@ -353,6 +356,7 @@ def refuse_mismatches(checks: Iterable[FieldCheck], pairing: Pairing | None = No
     # check_alignable refuses on decode's own setting)
     if (
         pairing.remote_prefix_caching is not None
+        and not pairing.pairs_by_position
         and pairing.local_ratio != pairing.remote_ratio
         and (pairing.local_prefix_caching or pairing.remote_prefix_caching)
     ):
@@ -369,6 +373,7 @@ def refuse_mismatches(checks: Iterable[FieldCheck], pairing: Pairing | None = No
         pairing.local_ratio,
         pairing.remote_ratio,
         local_prefix_caching=pairing.local_prefix_caching,
+        pairs_by_position=pairing.pairs_by_position,
     )
 
 
@@ -418,7 +423,9 @@ def record_checks(local: HandshakeRecord, remote: HandshakeRecord) -> list[Field
     ]
 
 
-def validate_remote(local: HandshakeRecord, remote: HandshakeRecord) -> None:
+def validate_remote(
+    local: HandshakeRecord, remote: HandshakeRecord, pairs_by_position: bool = False
+) -> None:
     """vLLM 0.21 decode's check of prefill's record (``record_checks``, then
     the pairing of both records' ratios and prefix caching)."""
     refuse_mismatches(
@@ -429,6 +436,7 @@ def validate_remote(local: HandshakeRecord, remote: HandshakeRecord) -> None:
             attention_ratio(remote),
             local_prefix_caching=local.prefix_caching,
             remote_prefix_caching=remote.prefix_caching,
+            pairs_by_position=pairs_by_position,
         ),
     )
 

@@ -43,10 +43,20 @@ import numpy.typing as npt
 from vllm_nixl_hma.core.blocks import GroupKind, KernelIds
 from vllm_nixl_hma.core.errors import BlockAlignmentError
 
-__all__ = ["NULL_BLOCK_ID", "TokenSpan", "pair_by_token_position", "span_for_prompt"]
+__all__ = [
+    "METADATA_ATTR",
+    "NULL_BLOCK_ID",
+    "TokenSpan",
+    "pair_by_token_position",
+    "span_for_prompt",
+]
 
 #: vLLM's null block: never handed to a request, never holds KV or a state
 NULL_BLOCK_ID = 0
+
+#: attribute of the connector metadata with {request id: TokenSpan}, set by
+#: decode's scheduler side for every request it hands over to receive
+METADATA_ATTR = "vllm_nixl_hma_token_spans"
 
 
 @dataclass(frozen=True)
@@ -210,7 +220,10 @@ def pair_by_token_position(
     for group_index, kind in enumerate(group_kinds):
         local = np.asarray(local_kernel_ids_by_group[group_index], dtype=np.int64).reshape(-1)
         remote = np.asarray(remote_kernel_ids_by_group[group_index], dtype=np.int64).reshape(-1)
-        if kind is GroupKind.MAMBA:
+        if len(local) == 0 and len(remote) == 0:
+            # a remote rank that is no source of this group (vLLM's TP mapping)
+            pair = (local, remote)
+        elif kind is GroupKind.MAMBA:
             pair = _pair_mamba(
                 local,
                 remote,

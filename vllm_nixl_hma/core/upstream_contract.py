@@ -135,7 +135,12 @@ V021 = Contract(
         "xfer_handshake_metadata",
     ),
     # methods of NixlConnector our connector overrides
-    connector_overrides=("build_connector_meta", "request_finished", "request_finished_all_groups"),
+    connector_overrides=(
+        "build_connector_meta",
+        "request_finished",
+        "request_finished_all_groups",
+        "update_state_after_alloc",
+    ),
     # methods of vLLM's Scheduler our schedulers override, and state they read
     scheduler_overrides=("_update_requests_with_invalid_blocks",),
     scheduler_state=("kv_cache_manager",),

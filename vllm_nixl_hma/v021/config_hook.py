@@ -10,9 +10,16 @@ connector is ``NixlHMAConnector``; for every other config it does nothing.
 
 What it does for a Mamba hybrid (attention + Mamba/SSM layers):
 
-* turns prefix caching off, with one warning line, because kernel blocks of a
-  hybrid cannot be paired across prefill and decode with different
-  kernel-per-logical ratios after a prefix-cache hit (docs/design.md section 3);
+* turns prefix caching off, with one warning line, unless the operator
+  opted in with ``kv_connector_extra_config`` ``mamba_prefix_caching``: vLLM
+  0.21.0 pairs kernel blocks from the tail, which after a decode-side hit at
+  unequal kernel-per-logical ratios reads the wrong tokens; the opt-in pairs
+  by token position instead (``core/positions.py``, docs/design.md section 7);
+* with the opt-in and prefix caching on: Mamba cache mode ``align`` (vLLM
+  would pick ``all``, which keeps a state at every block boundary; decode
+  receives only prefill's last state, and would cache boundary blocks
+  holding none). An explicit ``--mamba-cache-mode all``, or chunked prefill
+  off (which ``align`` needs), stops startup naming the reason;
 * turns HMA on when the user expressed no preference and the platform
   supports it (vLLM 0.21.0 turns HMA off whenever a KV connector is set,
   unless --no-disable-hybrid-kv-cache-manager is given);
@@ -37,6 +44,8 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+
+from vllm_nixl_hma.core.config_values import mamba_prefix_caching
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -88,14 +97,20 @@ def apply(vllm_config: VllmConfig) -> None:
 
     architecture = vllm_config.model_config.architecture
     cache_config = vllm_config.cache_config
-    if cache_config.enable_prefix_caching:
+    if cache_config.enable_prefix_caching and mamba_prefix_caching(
+        vllm_config.kv_transfer_config.kv_connector_extra_config
+    ):
+        _keep_prefix_caching(vllm_config, architecture)
+    elif cache_config.enable_prefix_caching:
         cache_config.enable_prefix_caching = False
         logger.warning(
             "NixlHMAConnector: prefix caching turned OFF for Mamba hybrid %s "
             "(it was on, by default or by --enable-prefix-caching): prefill and "
             "decode with different TP use different kernel-per-logical ratios, "
-            "whose kernel blocks cannot be paired after a prefix-cache hit. Pass "
-            "--no-enable-prefix-caching to both engines to silence this.",
+            "whose kernel blocks cannot be paired after a prefix-cache hit by "
+            "vLLM's rule. Pass --no-enable-prefix-caching to both engines to "
+            "silence this, or kv_connector_extra_config "
+            "'{\"mamba_prefix_caching\": true}' to both to keep it.",
             architecture,
         )
 
@@ -116,6 +131,30 @@ def apply(vllm_config: VllmConfig) -> None:
             "(same as --no-disable-hybrid-kv-cache-manager).",
             architecture,
         )
+
+
+def _keep_prefix_caching(vllm_config: VllmConfig, architecture: str) -> None:
+    """The ``mamba_prefix_caching`` opt-in: Mamba cache mode ``align``."""
+    cache_config = vllm_config.cache_config
+    if cache_config.mamba_cache_mode == "all":
+        raise ConfigHookError(
+            f"NixlHMAConnector keeps prefix caching for Mamba hybrid {architecture} in "
+            "Mamba cache mode 'align' only, but --mamba-cache-mode all was given: in "
+            "'all' decode keeps a state at every block boundary, and it receives only "
+            "prefill's last one. Remove --mamba-cache-mode or pass align."
+        )
+    if not vllm_config.scheduler_config.enable_chunked_prefill:
+        raise ConfigHookError(
+            f"NixlHMAConnector keeps prefix caching for Mamba hybrid {architecture} in "
+            "Mamba cache mode 'align', which needs chunked prefill, but it is off: "
+            "remove --no-enable-chunked-prefill, or drop mamba_prefix_caching."
+        )
+    cache_config.mamba_cache_mode = "align"
+    logger.info(
+        "NixlHMAConnector: prefix caching kept for Mamba hybrid %s (mamba_prefix_caching), "
+        "Mamba cache mode 'align'; block lists are paired by token position.",
+        architecture,
+    )
 
 
 def install() -> None:

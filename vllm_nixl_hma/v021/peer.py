@@ -86,6 +86,7 @@ class PeerChecks(RemoteRankBeingAdded):
             local_physical_per_logical=self._physical_blocks_per_logical_kv_block,
             remote_physical_per_logical=nixl_agent_meta.physical_blocks_per_logical_kv_block,
             local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
+            pairs_by_position=self._pairs_by_position,
         )
         super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size)
 
@@ -308,7 +309,9 @@ class PeerChecks(RemoteRankBeingAdded):
                 parsed.record.model if parsed.record is not None else "",
             )
         if parsed.record is not None:
-            handshake.validate_remote(self._handshake_record, parsed.record)
+            handshake.validate_remote(
+                self._handshake_record, parsed.record, self._pairs_by_position
+            )
             if parsed.record.tp_size != remote_tp_size:
                 raise handshake.HandshakeError(
                     "tp_size",
@@ -339,7 +342,7 @@ class PeerChecks(RemoteRankBeingAdded):
                 physical_blocks_per_logical=agent_meta.physical_blocks_per_logical_kv_block,
                 kv_cache_layout=agent_meta.kv_cache_layout,
             )
-            handshake.validate_remote(self._handshake_record, record)
+            handshake.validate_remote(self._handshake_record, record, self._pairs_by_position)
             logger.warning(
                 "NixlHMAConnector: prefill engine %s runs stock NixlConnector; served, "
                 "since its metadata fixes every byte decode reads (no lease: its blocks "

@@ -28,7 +28,9 @@ from vllm.logger import init_logger  # noqa: E402
 
 from vllm_nixl_hma.core import (  # noqa: E402
     blocks,
+    config_values,
     page_runs,
+    positions,
 )
 from vllm_nixl_hma.core.errors import (  # noqa: E402
     BlockAlignmentError,
@@ -108,6 +110,52 @@ class ReadPath:
             remote_physical_per_logical=remote_physical_per_logical,
         )
 
+    # ------------------------------------------- pairing by token position
+
+    @functools.cached_property
+    def _pairs_by_position(self) -> bool:
+        """The operator's ``mamba_prefix_caching`` opt-in: lists are paired by
+        the token spans decode's scheduler side hands over."""
+        return config_values.mamba_prefix_caching(self.kv_transfer_config.kv_connector_extra_config)
+
+    @functools.cached_property
+    def _token_spans(self) -> dict[str, positions.TokenSpan]:
+        """{request id: its span}, from the metadata until its reads are posted"""
+        return {}
+
+    def start_load_kv(self, metadata):
+        """vLLM 0.21.0 ``NixlConnectorWorker.start_load_kv``, after noting the
+        token span of each request to receive (``positions.METADATA_ATTR``,
+        set by ``NixlHMAConnector.build_connector_meta``). No upstream
+        counterpart: upstream pairs by list lengths."""
+        spans = getattr(metadata, positions.METADATA_ATTR, None)
+        if spans and self._pairs_by_position:
+            self._token_spans.update(spans)
+        super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta):
+        """vLLM 0.21.0 ``NixlConnectorWorker._read_blocks_for_req``; the
+        request's token span is dropped once its reads are posted (or
+        refused), so the map holds requests waiting for a handshake only."""
+        try:
+            super()._read_blocks_for_req(req_id, meta)
+        finally:
+            self._token_spans.pop(req_id, None)
+
+    def _pair_by_position(
+        self, read_spec: ReadSpec, span: positions.TokenSpan, remote_physical_per_logical: int
+    ) -> tuple[BlockIds, BlockIds]:
+        local_aligned, remote_aligned = positions.pair_by_token_position(
+            read_spec.local_block_ids,
+            read_spec.remote_block_ids,
+            self._group_kinds,
+            span,
+            kernel_block_tokens=int(self.block_size),  # kernel tokens once registered
+            local_physical_per_logical=self._physical_blocks_per_logical_kv_block,
+            remote_physical_per_logical=remote_physical_per_logical,
+        )
+        return [ids.tolist() for ids in local_aligned], [ids.tolist() for ids in remote_aligned]
+
     def _read_blocks(
         self,
         read_spec: ReadSpec,
@@ -130,6 +178,7 @@ class ReadPath:
         """
         if request_id in self._failed_recv_reqs:
             return  # refused on another remote rank already: nothing more is read
+        span = self._token_spans.get(request_id) if self._pairs_by_position else None
         if not blocks.has_local_blocks(read_spec.local_block_ids):
             # nothing to read, only prefill to notify: upstream recognizes that
             # by an empty list (start_load_kv gave such a request empty groups)
@@ -138,18 +187,28 @@ class ReadPath:
                 local_block_ids=[],
                 remote_block_ids=read_spec.remote_block_ids,
             )
-        elif not _same_lengths(read_spec.local_block_ids, read_spec.remote_block_ids):
-            # (equal lengths in every group pair index by index under every
-            # rule, so the common case skips the conversions)
+        elif span is not None or not _same_lengths(
+            read_spec.local_block_ids, read_spec.remote_block_ids
+        ):
+            # (without a span, equal lengths in every group pair index by index
+            # under every count rule, so the common case skips the conversions;
+            # after a decode hit at unequal ratios they may be equal by chance)
             if self.transfer_topo is None:
                 raise RuntimeError("_read_blocks called before register_kv_caches")
-            remote_info = self.transfer_topo.get_engine_info(dst_engine_id)
+            remote_ratio = self.transfer_topo.get_engine_info(
+                dst_engine_id
+            ).remote_physical_blocks_per_logical
             try:
-                local_kernel_ids_by_group, remote_kernel_ids_by_group = self._apply_prefix_caching(
-                    read_spec.local_block_ids,
-                    read_spec.remote_block_ids,
-                    remote_info.remote_physical_blocks_per_logical,
-                )
+                if span is not None:
+                    local_kernel_ids_by_group, remote_kernel_ids_by_group = self._pair_by_position(
+                        read_spec, span, remote_ratio
+                    )
+                else:
+                    local_kernel_ids_by_group, remote_kernel_ids_by_group = (
+                        self._apply_prefix_caching(
+                            read_spec.local_block_ids, read_spec.remote_block_ids, remote_ratio
+                        )
+                    )
             except BlockAlignmentError as e:
                 self._fail_unalignable_request(request_id, dst_engine_id, read_spec, e)
                 return

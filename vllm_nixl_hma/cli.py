@@ -26,6 +26,8 @@ CONNECTORS = ("NixlHMAConnector", "NixlConnector")
 DEFAULT_TP_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
 DEFAULT_LAYOUTS = ("dense", "swa", "hybrid", "hybrid-1group", "gdn")
 SCENARIOS = ("mid-block", "boundary")
+#: with --prefix-caching: decode's own prefix-cache hits of several lengths
+PREFIX_CACHING_SCENARIOS = ("decode-hit",)
 
 
 class ExitCode(enum.IntEnum):
@@ -94,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a model directory with an HF config.json (no weights needed) instead "
         "of the embedded layouts",
+    )
+    check.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="both engines keep prefix caching (kv_connector_extra_config "
+        "mamba_prefix_caching), and each cell also runs the decode-hit scenario: "
+        "decode already holds a prefix and reads only the rest",
     )
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.add_argument(
@@ -271,8 +280,12 @@ def _cells(args: argparse.Namespace, workdir: Path):
             p_tp=p_tp,
             d_tp=d_tp,
             connector=args.connector,
-            scenarios=[Scenario(s) for s in SCENARIOS],
+            scenarios=[
+                Scenario(s)
+                for s in SCENARIOS + (PREFIX_CACHING_SCENARIOS if args.prefix_caching else ())
+            ],
             device=args.device,
+            prefix_caching=args.prefix_caching,
         )
         for name, model_dir in model_dirs.items()
         for p_tp, d_tp in tp_pairs

@@ -49,7 +49,7 @@ class Scenario:
     """A batch of concurrent requests; lengths are chosen once both engines'
     logical block sizes are known."""
 
-    name: str  # "mid-block" or "boundary"
+    name: str  # "mid-block", "boundary", "decode-hit", "no-hit", "long" or "one-long"
     #: fault injection: decode is sent to a side-channel port nobody listens on
     dead_side_channel: bool = False
     #: fault injection: prefill is killed this long after decode posted its reads
@@ -77,6 +77,9 @@ class Scenario:
             # one request as long as the three of "long" together (the size a
             # link benchmark needs: 70 MiB and more on the embedded layouts)
             return [3600 * larger + 7]
+        if self.name in ("decode-hit", "no-hit"):
+            hits = Scenario("decode-hit").decode_hits(prefill_block_tokens, decode_block_tokens)
+            return [prompt for prompt, _ in hits]
         if self.name == "boundary":
             both = math.lcm(prefill_block_tokens, decode_block_tokens)
             return [
@@ -85,6 +88,25 @@ class Scenario:
                 both if both <= 4 * larger else larger,
             ]
         raise ValueError(f"unknown scenario {self.name!r}")
+
+    def decode_hits(
+        self, prefill_block_tokens: int, decode_block_tokens: int
+    ) -> list[tuple[int, int]]:
+        """(tokens prefill holds, tokens decode's own prefix cache holds) per
+        request of the "decode-hit" scenario (#26): a hit is whole decode
+        logical blocks; these end inside a prefill logical block, on a block
+        boundary of both sides, and one block before the end. "no-hit": the
+        same prompts, read whole (what the hits save)."""
+        if self.name != "decode-hit":
+            return [(n, 0) for n in self.prompt_tokens(prefill_block_tokens, decode_block_tokens)]
+        p, d = prefill_block_tokens, decode_block_tokens
+        both = math.lcm(p, d)
+        inside = next((k * d for k in range(1, 8) if (k * d) % p), d)
+        return [
+            (inside + 2 * max(p, d) + 5, inside),
+            (both + d + 3, both),
+            (4 * d + 3, 4 * d),
+        ]
 
 
 @dataclass
@@ -339,15 +361,21 @@ class SideBlocks:
 
 
 def allocate(
-    info: dict[str, Any], prompt_tokens: list[int], rng: random.Random
+    info: dict[str, Any],
+    prompt_tokens: list[int],
+    rng: random.Random,
+    hit_tokens: list[int] | None = None,
 ) -> list[SideBlocks]:
     """Blocks for every request from one engine's shared HMA pool (block 0 is
-    vLLM's null block and never handed out)."""
+    vLLM's null block and never handed out). ``hit_tokens``: decode's own
+    prefix-cache hit per request; its attention blocks start after the hit,
+    as vLLM hands a connector the blocks that are not cached."""
     free = list(range(1, info["num_logical_blocks"]))
     rng.shuffle(free)
     logical_tokens = info["logical_block_tokens"]
     result = []
-    for num_tokens in prompt_tokens:
+    for number, num_tokens in enumerate(prompt_tokens):
+        hit_blocks = 0 if hit_tokens is None else hit_tokens[number] // logical_tokens
         logical_count = math.ceil(num_tokens / logical_tokens)
         ids_by_group, first_by_group = [], []
         for kind, window in zip(info["group_kinds"], info["sliding_window_by_group"], strict=True):
@@ -355,7 +383,7 @@ def allocate(
                 ids_by_group.append([free.pop()])
                 first_by_group.append(0)
                 continue
-            ids = [free.pop() for _ in range(logical_count)]
+            ids = [free.pop() for _ in range(logical_count - hit_blocks)]
             if kind == "sliding_window":
                 # vLLM's NIXL scheduler keeps cdiv(window, block) + 1 trailing blocks
                 ids = ids[-(math.ceil(window / logical_tokens) + 1) :]
@@ -475,6 +503,23 @@ def run_cell(
     return results
 
 
+def _as_sent(
+    blocks: SideBlocks, num_tokens: int, info: dict[str, Any], prefix_caching: bool
+) -> list[list[int]]:
+    """Prefill's block lists as its scheduler sends them: with prefix caching
+    (Mamba cache mode 'align') a Mamba group holds one block per logical
+    block, vLLM's null block (0) but for the last, the running state."""
+    from vllm_nixl_hma import _compat
+
+    if not prefix_caching or _compat.adapter() != "v021":  # 0.33 sends the state block only
+        return blocks.logical_ids_by_group
+    padding = [0] * (math.ceil(num_tokens / info["logical_block_tokens"]) - 1)
+    return [
+        padding + ids if kind == "mamba" else ids
+        for ids, kind in zip(blocks.logical_ids_by_group, info["group_kinds"], strict=True)
+    ]
+
+
 def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
@@ -486,11 +531,11 @@ def _run_scenario(
     """One batch: prefill fills, every decode engine reads its share (request
     i goes to engine i mod n) and checks every slot it holds."""
     d_ranks = [index for ranks in d_engines for index in ranks]
-    prompt_tokens = scenario.prompt_tokens(
-        p_info["logical_block_tokens"], d_info["logical_block_tokens"]
-    )
+    hits = scenario.decode_hits(p_info["logical_block_tokens"], d_info["logical_block_tokens"])
+    prompt_tokens = [prompt for prompt, _ in hits]
+    hit_tokens = [hit for _, hit in hits]
     p_blocks = allocate(p_info, prompt_tokens, rng)
-    d_blocks = allocate(d_info, prompt_tokens, rng)
+    d_blocks = allocate(d_info, prompt_tokens, rng, hit_tokens)
     batch = f"{scenario.name}-{rng.randrange(1 << 30)}"
     request_ids = [f"{batch}-{i}" for i in range(len(prompt_tokens))]
     result.requests = len(prompt_tokens)
@@ -544,8 +589,10 @@ def _run_scenario(
         {
             "request_id": rid,
             "local_logical_ids_by_group": d.logical_ids_by_group,
+            # as NixlHMAConnector.build_connector_meta hands it to its workers
+            "token_span": (hit, n),
             "kv_transfer_params": {
-                "remote_block_ids": p.logical_ids_by_group,
+                "remote_block_ids": _as_sent(p, n, p_info, cell.prefix_caching),
                 "remote_engine_id": f"prefill-{side_channel_port}",
                 "remote_request_id": rid,
                 "remote_host": cell.prefill_host,
@@ -556,7 +603,9 @@ def _run_scenario(
                 "remote_blocks_expiry_time": lease_expiry_perf,
             },
         }
-        for rid, p, d in zip(request_ids, p_blocks, d_blocks, strict=True)
+        for rid, p, d, n, hit in zip(
+            request_ids, p_blocks, d_blocks, prompt_tokens, hit_tokens, strict=True
+        )
     ]
     if scenario.unpairable_first_request:
         params = load_requests[0]["kv_transfer_params"]

@@ -174,6 +174,10 @@ def build_vllm_config(
             kv_role=kv_role,
             engine_id=engine_id,
             kv_buffer_device=device,
+            # prefix caching asked for keeps it for a Mamba hybrid (the opt-in)
+            kv_connector_extra_config={"mamba_prefix_caching": True}
+            if enable_prefix_caching
+            else {},
         ),
     )
     # Substitution 4: CPU forces HMA off; the GPU engines we stand in for run with it

@@ -471,6 +471,17 @@ def _load(
                 if lease.PARAM in r["kv_transfer_params"]
             },
         )
+        from vllm_nixl_hma.core import positions
+
+        setattr(
+            metadata,
+            positions.METADATA_ATTR,
+            {
+                r["request_id"]: positions.TokenSpan(*r["token_span"])
+                for r in requests
+                if "token_span" in r
+            },
+        )
     start = time.perf_counter()
     done: set[str] = set()
     failed: set[str] = set()

@@ -142,8 +142,13 @@ V021 = Contract(
         "update_state_after_alloc",
     ),
     # methods of vLLM's Scheduler our schedulers override, and state they read
-    scheduler_overrides=("_update_requests_with_invalid_blocks",),
-    scheduler_state=("kv_cache_manager",),
+    # (and _mamba_block_aligned_split: the call need_mamba_block_aligned_split guards)
+    scheduler_overrides=(
+        "_update_requests_with_invalid_blocks",
+        "schedule",
+        "_mamba_block_aligned_split",
+    ),
+    scheduler_state=("kv_cache_manager", "connector"),
 )
 
 V033 = Contract(

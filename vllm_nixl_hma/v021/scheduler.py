@@ -94,11 +94,66 @@ class HybridInvalidBlocksMixin:
         return affected_request_ids, affected_tokens, blocks_to_evict
 
 
-class NixlHMAScheduler(HybridInvalidBlocksMixin, Scheduler):
+class AsyncLoadsInAlignModeMixin:
+    """vLLM 0.21.0's ``Scheduler.schedule``, able to park a request whose KV
+    the connector loads, in Mamba cache mode ``align``.
+
+    Why: in that mode upstream calls ``_mamba_block_aligned_split`` for every
+    waiting request it places, a request the connector loads asynchronously
+    too, and that method asserts "External KV connector is not verified yet"
+    (were it not to, it would return 0 tokens, on which ``schedule`` stops
+    placing requests for the step): a decode engine of a Mamba hybrid with
+    prefix caching (``mamba_prefix_caching``) went down on its first P/D
+    request. What changes: when the connector has just answered that the
+    request it was asked about loads asynchronously, the next read of
+    ``need_mamba_block_aligned_split`` (the one that guards that call) says
+    False, so upstream allocates the request's blocks and parks it as in
+    every other mode; any other read, and so the split of every chunk the
+    engine computes itself, is upstream's. The request then computes one
+    token per step (its last prompt token, then its output), which the split
+    leaves alone. Remove when: vLLM 0.33 is the minimum (its scheduler places
+    asynchronous loads before the split).
+    """
+
+    #: set by the connector's answer, cleared by the next read and each step
+    _async_load_answered = False
+    _aligned_split = False
+
+    @property
+    def need_mamba_block_aligned_split(self) -> bool:
+        if self._async_load_answered:
+            self._async_load_answered = False
+            return False
+        return self._aligned_split
+
+    @need_mamba_block_aligned_split.setter
+    def need_mamba_block_aligned_split(self, value: bool) -> None:
+        self._aligned_split = bool(value)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        connector = getattr(self, "connector", None)
+        if connector is None or not self._aligned_split:
+            return
+        answer = connector.get_num_new_matched_tokens
+
+        def get_num_new_matched_tokens(request: Any, num_computed_tokens: int):
+            count, load_async = answer(request, num_computed_tokens)
+            self._async_load_answered = bool(load_async)
+            return count, load_async
+
+        connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        self._async_load_answered = False
+        return super().schedule(*args, **kwargs)
+
+
+class NixlHMAScheduler(HybridInvalidBlocksMixin, AsyncLoadsInAlignModeMixin, Scheduler):
     """vLLM's Scheduler, able to fail or recompute hybrid requests."""
 
 
-class NixlHMAAsyncScheduler(HybridInvalidBlocksMixin, AsyncScheduler):
+class NixlHMAAsyncScheduler(HybridInvalidBlocksMixin, AsyncLoadsInAlignModeMixin, AsyncScheduler):
     """vLLM's AsyncScheduler, able to fail or recompute hybrid requests."""
 
 

@@ -89,12 +89,12 @@ def test_opt_in_given_as_text_counts(text):
     assert config.cache_config.enable_prefix_caching is True
 
 
-def test_opt_in_with_prefix_caching_off_leaves_it_off():
+def test_opt_in_turns_prefix_caching_on():
     config = build_config(
         HYBRID, "NixlHMAConnector", enable_prefix_caching=False, extra_config=OPT_IN
     )
-    assert config.cache_config.enable_prefix_caching is False
-    assert config.cache_config.mamba_cache_mode == "none"
+    assert config.cache_config.enable_prefix_caching is True
+    assert config.cache_config.mamba_cache_mode == "align"
 
 
 def test_opt_in_refuses_mamba_cache_mode_all_naming_it():
@@ -118,9 +118,14 @@ def test_fixture_models_are_what_the_tests_assume():
     assert not ModelConfig(model=str(DENSE), skip_tokenizer_init=True).is_hybrid
 
 
-def test_hybrid_under_our_connector_gets_prefix_caching_off_and_mamba_mode_none(mocker):
+def test_hybrid_whose_operator_said_no_gets_prefix_caching_off_and_mamba_mode_none(mocker):
     warning = mocker.spy(config_hook.logger, "warning")
-    config = build_config(HYBRID, "NixlHMAConnector", enable_prefix_caching=True)
+    config = build_config(
+        HYBRID,
+        "NixlHMAConnector",
+        enable_prefix_caching=True,
+        extra_config={"mamba_prefix_caching": False},
+    )
     assert config.cache_config.enable_prefix_caching is False
     assert config.cache_config.mamba_cache_mode == "none"
     # One warning line that says what changed, why, and how to silence it.
@@ -128,8 +133,17 @@ def test_hybrid_under_our_connector_gets_prefix_caching_off_and_mamba_mode_none(
     assert len(ours) == 1
     message = ours[0].args[0] % ours[0].args[1:]
     assert "prefix caching turned OFF" in message
+    assert "mamba_prefix_caching is false" in message
     assert "--no-enable-prefix-caching" in message
     assert "BambaForCausalLM" in message
+
+
+def test_an_explicit_enable_prefix_caching_is_kept_in_align_mode():
+    """vLLM 0.21.0's engine arguments leave prefix caching off for hybrids
+    unless --enable-prefix-caching is given: on here, the operator asked."""
+    config = build_config(HYBRID, "NixlHMAConnector", enable_prefix_caching=True)
+    assert config.cache_config.enable_prefix_caching is True
+    assert config.cache_config.mamba_cache_mode == "align"
 
 
 def test_hybrid_with_prefix_caching_already_off_gets_no_warning(mocker):
@@ -160,6 +174,7 @@ def test_module_path_spelling_selects_the_hook_too():
             kv_connector="NixlHMAConnector",
             kv_connector_module_path="vllm_nixl_hma",
             kv_role="kv_consumer",
+            kv_connector_extra_config={"mamba_prefix_caching": False},
         ),
     )
     assert config.cache_config.enable_prefix_caching is False

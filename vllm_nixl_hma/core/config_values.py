@@ -26,13 +26,14 @@ def whole_number(value: object) -> int | None:
 MAMBA_PREFIX_CACHING_KEY = "mamba_prefix_caching"
 
 
-def mamba_prefix_caching(extra_config: object) -> bool:
-    """Whether the operator asked for prefix caching of a Mamba hybrid:
-    ``true`` or ``false`` (JSON, or that text); absent is ``false``.
-    ValueError naming the key and the value for anything else."""
-    value = (extra_config if isinstance(extra_config, dict) else {}).get(
-        MAMBA_PREFIX_CACHING_KEY, False
-    )
+def mamba_prefix_caching(extra_config: object) -> bool | None:
+    """The operator's word on prefix caching of a Mamba hybrid in P/D:
+    ``true`` or ``false`` (JSON, or that text), ``None`` when the key is
+    absent. ValueError naming the key and the value for anything else."""
+    config = extra_config if isinstance(extra_config, dict) else {}
+    if MAMBA_PREFIX_CACHING_KEY not in config:
+        return None
+    value = config[MAMBA_PREFIX_CACHING_KEY]
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     if isinstance(value, bool):

@@ -10,16 +10,18 @@ connector is ``NixlHMAConnector``; for every other config it does nothing.
 
 What it does for a Mamba hybrid (attention + Mamba/SSM layers):
 
-* turns prefix caching off, with one warning line, unless the operator
-  opted in with ``kv_connector_extra_config`` ``mamba_prefix_caching``: vLLM
-  0.21.0 pairs kernel blocks from the tail, which after a decode-side hit at
-  unequal kernel-per-logical ratios reads the wrong tokens; the opt-in pairs
-  by token position instead (``core/positions.py``, docs/design.md section 7);
-* with the opt-in and prefix caching on: Mamba cache mode ``align`` (vLLM
-  would pick ``all``, which keeps a state at every block boundary; decode
-  receives only prefill's last state, and would cache boundary blocks
+* keeps prefix caching when the operator asked for it: ``--enable-prefix-caching``
+  (vLLM 0.21.0 turns it off for hybrids unless given) or ``kv_connector_extra_config``
+  ``mamba_prefix_caching: true`` (which turns it on); decode then pairs kernel
+  blocks by token position (``core/positions.py``, docs/design.md section 7),
+  where vLLM's tail rule reads the wrong tokens after a decode-side hit at
+  unequal kernel-per-logical ratios. The Mamba cache mode is then ``align``
+  (vLLM would pick ``all``, which keeps a state at every block boundary;
+  decode receives only prefill's last state, and would cache boundary blocks
   holding none). An explicit ``--mamba-cache-mode all``, or chunked prefill
   off (which ``align`` needs), stops startup naming the reason;
+* turns prefix caching off, with one warning line, when it is on and
+  ``mamba_prefix_caching`` is ``false``;
 * turns HMA on when the user expressed no preference and the platform
   supports it (vLLM 0.21.0 turns HMA off whenever a KV connector is set,
   unless --no-disable-hybrid-kv-cache-manager is given);
@@ -97,20 +99,15 @@ def apply(vllm_config: VllmConfig) -> None:
 
     architecture = vllm_config.model_config.architecture
     cache_config = vllm_config.cache_config
-    if cache_config.enable_prefix_caching and mamba_prefix_caching(
-        vllm_config.kv_transfer_config.kv_connector_extra_config
-    ):
+    choice = mamba_prefix_caching(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    if choice or (choice is None and cache_config.enable_prefix_caching):
         _keep_prefix_caching(vllm_config, architecture)
     elif cache_config.enable_prefix_caching:
         cache_config.enable_prefix_caching = False
         logger.warning(
             "NixlHMAConnector: prefix caching turned OFF for Mamba hybrid %s "
-            "(it was on, by default or by --enable-prefix-caching): prefill and "
-            "decode with different TP use different kernel-per-logical ratios, "
-            "whose kernel blocks cannot be paired after a prefix-cache hit by "
-            "vLLM's rule. Pass --no-enable-prefix-caching to both engines to "
-            "silence this, or kv_connector_extra_config "
-            "'{\"mamba_prefix_caching\": true}' to both to keep it.",
+            "(kv_connector_extra_config mamba_prefix_caching is false). Pass "
+            "--no-enable-prefix-caching to both engines to silence this.",
             architecture,
         )
 
@@ -149,6 +146,7 @@ def _keep_prefix_caching(vllm_config: VllmConfig, architecture: str) -> None:
             "Mamba cache mode 'align', which needs chunked prefill, but it is off: "
             "remove --no-enable-chunked-prefill, or drop mamba_prefix_caching."
         )
+    cache_config.enable_prefix_caching = True
     cache_config.mamba_cache_mode = "align"
     logger.info(
         "NixlHMAConnector: prefix caching kept for Mamba hybrid %s (mamba_prefix_caching), "

@@ -38,9 +38,10 @@ def register() -> None:
 
     config_hook.install()
 
-    from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core, cpu_moe
+    from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core, cpu_mamba_copy, cpu_moe
 
     # each acts only when its variable is set, which only ``vllm-nixl-hma e2e`` does
     cpu_kernel_block.apply_from_env()
     cpu_kv_core.apply_from_env()
     cpu_moe.apply_from_env()
+    cpu_mamba_copy.apply_from_env()

@@ -127,7 +127,7 @@ class EngineSpec:
         return args
 
     def environment(self) -> dict[str, str]:
-        from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core, cpu_moe
+        from vllm_nixl_hma.e2e import cpu_kernel_block, cpu_kv_core, cpu_mamba_copy, cpu_moe
 
         env = dict(os.environ)
         env.update(
@@ -145,6 +145,8 @@ class EngineSpec:
         env[cpu_kv_core.ENV] = "1"
         # a MoE layer that can run in float32 on AMX hosts too (see cpu_moe)
         env[cpu_moe.ENV] = self.cpu_amx
+        # Mamba state copies of prefix caching without Triton (see cpu_mamba_copy)
+        env[cpu_mamba_copy.ENV] = "1"
         if self.kernel_block_tokens:
             env[cpu_kernel_block.ENV] = str(self.kernel_block_tokens)
         if self.side_channel_port is not None:

@@ -184,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
         "under kv_load_failure_policy fail and recompute",
     )
     e2e.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="every engine keeps prefix caching (the reference too), and after the prompts "
+        "a multi-turn conversation goes through the router, each turn resending the "
+        "conversation so far plus a new message; the report's turns say, per turn, whether "
+        "it matched, prefill's and decode's prefix-cache hits and what decode read",
+    )
+    e2e.add_argument(
         "--forged-read-probe",
         action="store_true",
         help="after the prompts, send decode one request with another in-flight request's "
@@ -473,6 +481,24 @@ PAIR_TABLE_COLUMNS = (
     ("matched", 7, lambda p: p["matched"]),
 )
 
+TURN_COLUMNS = (
+    ("turn", 4, lambda t: t["turn"]),
+    ("tokens", 6, lambda t: t["prompt_tokens"]),
+    ("HTTP", 4, lambda t: t["http_status"]),
+    ("match", 5, lambda t: "yes" if t["match"] else "NO"),
+    ("P hit tokens", 12, lambda t: t["prefill_prefix_hit_tokens"]),
+    ("D hit tokens", 12, lambda t: t["decode_prefix_hit_tokens"]),
+    ("D read tokens", 13, lambda t: t["decode_external_tokens"]),
+    ("D blocks read", 13, lambda t: t["decode_blocks_read"]),
+    (
+        "D KiB read",
+        10,
+        lambda t: (
+            "-" if t["decode_kv_bytes_read"] is None else f"{t['decode_kv_bytes_read'] / 1024:.0f}"
+        ),
+    ),
+)
+
 FAULT_E2E_COLUMNS = (
     ("fault", 24, lambda f: f["name"]),
     ("policy", 9, lambda f: f["policy"]),
@@ -529,6 +555,14 @@ def render_e2e(report: dict) -> str:
     if report.get("forged_read"):
         lines += ["", "a forged ticket: this prompt's params with another request's block ids:"]
         lines += render_rows(FAULT_E2E_COLUMNS, [report["forged_read"]])
+    if report.get("turns"):
+        lines += ["", "a conversation, each turn resending the ones before (turn 0: control):"]
+        lines += render_rows(TURN_COLUMNS, [*report["turns"], report["turns_control"]])
+        if not report.get("conversation_ok"):
+            lines.append(
+                "FAILED conversation: every turn must match, a later turn hit prefill's and "
+                "decode's prefix cache, and the last read fewer bytes than the control"
+            )
     if report.get("after_faults"):
         lines += ["", "after the faults, the same router (its first prefill engine killed):"]
         lines += render_rows(E2E_COLUMNS + PAIR_COLUMNS, report["after_faults"])
@@ -547,7 +581,13 @@ def render_e2e(report: dict) -> str:
     if report.get("error"):
         lines.append(f"FAILED: {report['error']}")
     passed = len(report["prompts"]) + len(report["faults"]) - len(failed) - len(failed_faults)
-    bad = len(failed) + len(failed_faults) + len(unserved) + bool(report.get("error"))
+    bad = (
+        len(failed)
+        + len(failed_faults)
+        + len(unserved)
+        + bool(report.get("error"))
+        + (bool(report.get("turns")) and not report.get("conversation_ok"))
+    )
     lines.append(f"{passed} passed, {bad} failed")
     return "\n".join(lines)
 
@@ -603,6 +643,7 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
         decode_dp=args.decode_dp,
         router=args.router,
         forged_read_probe=args.forged_read_probe,
+        prefix_caching=args.prefix_caching,
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)

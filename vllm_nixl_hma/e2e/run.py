@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_nixl_hma.e2e import routers
+from vllm_nixl_hma.e2e import conversation, routers
 from vllm_nixl_hma.e2e.servers import (
     MAX_MODEL_LEN,
     EngineSpec,
@@ -45,6 +45,8 @@ SIDE_CHANNEL_BARRAGE_FRAMES = 1000
 TICKET_KEYS_ENV = "VLLM_NIXL_HMA_E2E_TICKET_KEYS"
 
 MAX_TOKENS = 8
+#: what every engine is started with under ``--prefix-caching``
+PREFIX_CACHING_ARGS = ("--enable-prefix-caching", "--mamba-cache-mode", "align")
 #: the prompt every fault is injected into: several logical blocks on both sides
 FAULT_PROMPT_TOKENS = 600
 
@@ -101,6 +103,9 @@ class E2EOptions:
     #: (``faults``) and report what it answered (``forged_read``): how stock,
     #: which has no tickets, reads another request's blocks
     forged_read_probe: bool = False
+    #: every engine keeps prefix caching (the reference too), and a multi-turn
+    #: conversation follows the prompts (``e2e.conversation``)
+    prefix_caching: bool = False
 
 
 @dataclass
@@ -395,10 +400,18 @@ def _run_engines(
     from vllm_nixl_hma.harness.coordinator import free_port
 
     ticket_key_line = f"e2e {secrets.token_hex(32)}"
+    # prefix caching: vLLM 0.21.0 leaves it off for hybrids unless asked for
+    caching_args = PREFIX_CACHING_ARGS if options.prefix_caching else ()
     # 1. the reference: one engine, no connector
     progress("starting the reference engine (TP 1, no connector)")
     reference = servers.start_engine(
-        EngineSpec("reference", port=free_port(), **engine, **placement.engine("reference"))
+        EngineSpec(
+            "reference",
+            port=free_port(),
+            extra_args=caching_args,
+            **engine,
+            **placement.engine("reference"),
+        )
     )
     engines.append(reference)
     reference.wait_ready(options.start_timeout_s)
@@ -410,6 +423,7 @@ def _run_engines(
             tp_size=tp,
             connector=options.connector,
             side_channel_port=free_port(),
+            extra_args=caching_args,
             **engine,
             **placement.engine(role),
         )
@@ -555,6 +569,16 @@ def _run_engines(
         chat(prompt_ids(CHAT_PROMPT_TOKENS)),
         options.request_timeout_s,
     )
+    turns_expected: list[tuple[list[int], Any]] = []
+    control_expected = None
+    if options.prefix_caching:
+        try:
+            turns_expected, control_expected = _reference_conversation(
+                reference, decode_block, options, progress
+            )
+        except ValueError as e:
+            report["error"] = str(e)
+            return report
     servers.stop(reference)
     if options.connector == "NixlHMAConnector":
         # #25: prefill's side channel takes a barrage of bad queries from raw
@@ -588,6 +612,20 @@ def _run_engines(
             options.request_timeout_s,
         )
         results.append(_compare(n, expected_chat, answer, concurrent=False, api="chat-stream"))
+        if options.prefix_caching:
+            turns, control = _conversation(
+                router_url,
+                prefills,
+                decode,
+                decode_block,
+                turns_expected,
+                control_expected,
+                options,
+                progress,
+            )
+            report["turns"] = [t.as_json() for t in turns]
+            report["turns_control"] = control.as_json()
+            report["conversation_ok"] = conversation.conversation_ok(turns, control)
     finally:
         router.stop()
     if placement.topology is not None:
@@ -649,8 +687,84 @@ def _run_engines(
         and all(pair["matched"] > 0 for pair in report["pairs"])
         and all(reads > 0 for reads in report["kv_reads"].values())
         and survivors_served(after, gone=prefill.name)
+        and (not options.prefix_caching or report.get("conversation_ok") is True)
     )
     return report
+
+
+def _reference_conversation(reference, decode_block: int, options, progress):
+    """The conversation's prompts, each with the reference's answer, and the
+    control prompt (as long as the last turn, of tokens nothing else sends)
+    with its answer. ValueError when two turns do not fit."""
+    from vllm_nixl_hma.e2e.models import VOCAB_SIZE
+
+    lengths = conversation.turn_message_lengths(
+        decode_block, MAX_TOKENS, MAX_MODEL_LEN - MAX_TOKENS
+    )
+    progress(f"the reference answers a conversation of {len(lengths)} turns")
+
+    def answer(ids: list[int]):
+        body = completion(ids)
+        return post_json(reference.url, "/v1/completions", body, options.request_timeout_s)
+
+    turns: list[tuple[list[int], Any]] = []
+    ids: list[int] = []
+    for number, length in enumerate(lengths, start=1):
+        answer_ids = _tokens(turns[-1][1])[0] if turns else []
+        ids = ids + answer_ids + conversation.message_ids(str(number), length, VOCAB_SIZE)
+        turns.append((ids, answer(ids)))
+    control_ids = conversation.message_ids("control", len(ids), VOCAB_SIZE)
+    control = (control_ids, answer(control_ids))
+    return turns, control
+
+
+def _conversation(
+    router_url, prefills, decode, decode_block, turns_expected, control_expected, options, progress
+):
+    """Each turn through the router, then the control prompt, with what each
+    cost on the engines' /metrics."""
+    from vllm_nixl_hma.e2e.conversation import Turn, counter
+
+    def metrics(server) -> str:
+        try:
+            status, text = server.get("/metrics")
+        except OSError:
+            return ""
+        return text if status == 200 else ""
+
+    def totals() -> dict[str, float]:
+        decode_text = metrics(decode)
+        return {
+            "prefill_hits": sum(counter(metrics(p), "vllm:prefix_cache_hits") for p in prefills),
+            "decode_hits": counter(decode_text, "vllm:prefix_cache_hits"),
+            "decode_external": counter(decode_text, "vllm:external_prefix_cache_hits"),
+        }
+
+    rows = []
+    for number, (ids, expected) in enumerate([*turns_expected, control_expected], start=1):
+        is_control = number > len(turns_expected)
+        progress("P/D control prompt" if is_control else f"P/D conversation turn {number}")
+        before, bytes_before = totals(), _kv_bytes_read(decode)
+        body = completion(ids)
+        answer = post_json(router_url, "/v1/completions", body, options.request_timeout_s)
+        after, bytes_after = totals(), _kv_bytes_read(decode)
+        compared = _compare(len(ids), expected, answer, concurrent=False)
+        row = Turn(
+            turn=0 if is_control else number,
+            prompt_tokens=len(ids),
+            match=compared.match,
+            http_status=answer.status,
+            error=compared.error,
+            prefill_prefix_hit_tokens=int(after["prefill_hits"] - before["prefill_hits"]),
+            decode_prefix_hit_tokens=int(after["decode_hits"] - before["decode_hits"]),
+            decode_external_tokens=int(after["decode_external"] - before["decode_external"]),
+            decode_kv_bytes_read=None
+            if bytes_before is None or bytes_after is None
+            else bytes_after - bytes_before,
+        )
+        row.record_reads(decode_block)
+        rows.append(row)
+    return rows[:-1], rows[-1]
 
 
 def _side_channel_barrage(prefill_spec, p_tp: int) -> dict[str, Any]:

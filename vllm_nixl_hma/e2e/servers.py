@@ -62,6 +62,8 @@ class EngineSpec:
     cpu_amx: str = "host"
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: more ``vllm serve`` arguments (``--enable-prefix-caching``)
+    extra_args: tuple[str, ...] = ()
     #: the address the engine serves HTTP on and advertises as its side-channel host
     host: str = "127.0.0.1"
     #: the network namespace (``e2e.netns``) the engine runs in; None: this one
@@ -105,6 +107,7 @@ class EngineSpec:
             "--tensor-parallel-size",
             str(self.tp_size),
         ]
+        args += list(self.extra_args)
         if self.tp_size > 1:
             args += ["--distributed-executor-backend", "mp"]
         if self.dp_size > 1:

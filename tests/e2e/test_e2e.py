@@ -151,6 +151,28 @@ def assert_every_pair_served(report, log):
 MAY_ARRIVE_WHOLE = {"prefill-link-flap"}
 
 
+def assert_conversation_reuses_both_caches(report, log):
+    """``e2e --prefix-caching``: every turn (and the control prompt) matched
+    one engine; from turn 2 on, prefill and decode each found the turns
+    before in their prefix cache (vLLM's own counters), and decode read
+    fewer blocks and bytes than for the control, a prompt as long as the
+    last turn that shares nothing with it."""
+    turns, control = report["turns"], report["turns_control"]
+    assert len(turns) >= 2 and [t["turn"] for t in turns] == list(range(1, len(turns) + 1))
+    assert all(t["match"] and t["http_status"] == 200 for t in [*turns, control]), failed(
+        [*turns, control], log
+    )
+    assert control["decode_prefix_hit_tokens"] == 0, failed(control, log)
+    for turn in turns[1:]:
+        assert turn["prefill_prefix_hit_tokens"] > 0, failed(turns, log)
+        assert turn["decode_prefix_hit_tokens"] > 0, failed(turns, log)
+        assert 0 < turn["decode_blocks_read"] < control["decode_blocks_read"], failed(turns, log)
+    assert 0 < turns[-1]["decode_kv_bytes_read"] < control["decode_kv_bytes_read"], failed(
+        [turns[-1], control], log
+    )
+    assert report["conversation_ok"], log
+
+
 def assert_every_fault_fails_closed(report, log, faults=FAULTS):
     """Every fault under both policies: an error under ``fail``, the
     reference's tokens under ``recompute``, never HTTP 200 with other tokens;
@@ -251,9 +273,17 @@ def test_ours_heterogeneous_hybrid_across_hosts_through_vllm_router_matches_and_
     policies: a handshake that cannot complete, a lease that ran out (once
     took the fail-policy decode engine down), block lists that cannot be
     paired, prefill killed before decode reads. Its MoE layer runs this
-    host's own path."""
+    host's own path. Every engine keeps prefix caching (#26): a four-turn
+    conversation must hit prefill's and decode's caches from its second turn
+    and read only each turn's new tokens, token-identical to one engine."""
     report, log = e2e(
-        tmp_path, p_tp=2, d_tp=1, faults=FAULTS, separate_hosts=True, router="vllm-router"
+        tmp_path,
+        p_tp=2,
+        d_tp=1,
+        faults=FAULTS,
+        separate_hosts=True,
+        router="vllm-router",
+        prefix_caching=True,
     )
     assert report["remote_ratio"] != report["local_ratio"], log  # the 0.21.0 bug's setting
     assert report["router"] == "vllm-router", log
@@ -266,6 +296,7 @@ def test_ours_heterogeneous_hybrid_across_hosts_through_vllm_router_matches_and_
     assert_kv_crossed_the_link(report, log)
     assert_every_fault_fails_closed(report, log)
     assert_side_channel_survived(report, log)
+    assert_conversation_reuses_both_caches(report, log)
     assert_moe_path(report, ("reference", "prefill", "decode"), report["cpu"]["host_amx"])
     assert report["ok"]
     assert not [name for name in namespaces() if name.startswith(f"vnh{os.getpid()}-")]

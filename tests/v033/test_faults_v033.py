@@ -45,9 +45,36 @@ def results(tmp_path_factory):
         cells[(connector, "expired-lease", "1->1")] = coordinator.Cell(
             "hybrid", dirs["hybrid"], 1, 1, connector, [Scenario("mid-block")], expire_lease=True
         )
+        # mamba_prefix_caching false: decode keeps the count rules
         cells[(connector, "prefix-caching", "2->1")] = coordinator.Cell(
-            "hybrid", dirs["hybrid"], 2, 1, connector, [Scenario("mid-block")], prefix_caching=True
+            "hybrid",
+            dirs["hybrid"],
+            2,
+            1,
+            connector,
+            [Scenario("mid-block")],
+            prefix_caching=True,
+            pair_by_position=False,
         )
+        # decode-side prefix-cache hits at unequal ratios (#26)
+        cells[(connector, "decode-hit", "2->1")] = coordinator.Cell(
+            "hybrid",
+            dirs["hybrid"],
+            2,
+            1,
+            connector,
+            [Scenario("decode-hit"), Scenario("no-hit")],
+            prefix_caching=True,
+        )
+    cells[("NixlHMAConnector", "decode-hit", "1->2")] = coordinator.Cell(
+        "hybrid",
+        dirs["hybrid"],
+        1,
+        2,
+        "NixlHMAConnector",
+        [Scenario("decode-hit"), Scenario("no-hit")],
+        prefix_caching=True,
+    )
     cells[("NixlHMAConnector", "prefix-caching", "1->1")] = coordinator.Cell(
         "hybrid",
         dirs["hybrid"],
@@ -88,6 +115,27 @@ def test_ours_refuses_prefix_caching_across_ratios_before_registering(results):
     (stock,) = results[("NixlConnector", "prefix-caching", "2->1")]
     assert stock.requests_failed == 3
     assert stock.remote_engines_registered == 1  # registered and loaded, then refused
+
+
+@pytest.mark.parametrize("cell", ["2->1", "1->2"])
+def test_ours_reads_only_the_uncached_tail_after_a_decode_hit_across_ratios(results, cell):
+    """Prefix caching of the hybrid at unequal ratios, paired by token
+    position (``positions``): every slot right, fewer bytes than the same
+    prompts read whole."""
+    hit, whole = results[("NixlHMAConnector", "decode-hit", cell)]
+    assert hit.local_ratio != hit.remote_ratio
+    for row in (hit, whole):
+        assert row.error is None and row.mismatched_slots == 0, (row.name, row.examples)
+        assert row.slots_checked > 100_000
+    assert 0 < hit.bytes < whole.bytes
+
+
+def test_stock_033_refuses_decode_hits_across_ratios(results):
+    """0.33.0 refuses a Mamba hybrid with prefix caching across unequal
+    ratios at handshake (after loading the remote agent): nothing read."""
+    for row in results[("NixlConnector", "decode-hit", "2->1")]:
+        assert row.requests_failed == 3 and row.silently_wrong_slots == 0, row.error
+        assert row.bytes == 0
 
 
 def test_ours_keeps_prefix_caching_at_equal_ratios(results):

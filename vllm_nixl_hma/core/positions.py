@@ -48,6 +48,7 @@ __all__ = [
     "NULL_BLOCK_ID",
     "TokenSpan",
     "pair_by_token_position",
+    "pairs_by_position",
     "span_for_prompt",
 ]
 
@@ -104,6 +105,18 @@ def span_for_prompt(prefill_tokens: int, external_tokens: int) -> TokenSpan:
     (vLLM's count: the prompt, less its last token on a Mamba hybrid) of
     which decode reads ``external_tokens``, the rest being its own hit."""
     return TokenSpan(prefill_tokens - external_tokens, prefill_tokens)
+
+
+def pairs_by_position(
+    choice: bool | None, prefix_caching: bool, group_kinds: Sequence[GroupKind]
+) -> bool:
+    """Whether a decode worker pairs by token span (both releases): the
+    operator's ``mamba_prefix_caching`` when given (``choice``), else for a
+    Mamba hybrid with prefix caching on. A dense model keeps the count rules,
+    which are right at equal ratios, unless the operator asks."""
+    if choice is not None:
+        return choice
+    return prefix_caching and GroupKind.MAMBA in group_kinds
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -133,6 +133,9 @@ class Cell:
     lose_notifications: bool = False
     # both engines run with --enable-prefix-caching
     prefix_caching: bool = False
+    # with prefix_caching: kv_connector_extra_config mamba_prefix_caching (False:
+    # decode keeps the count rules, and refuses unequal ratios with prefix caching)
+    pair_by_position: bool = True
     # both engines run with the hybrid KV cache manager (False: one KV cache
     # group, as vLLM 0.21.0 runs a dense or sliding-window model with a connector)
     hma: bool = True
@@ -451,6 +454,7 @@ def run_cell(
                     "max_model_len": cell.max_model_len,
                     "device": cell.device,
                     "enable_prefix_caching": cell.prefix_caching,
+                    "mamba_prefix_caching": cell.pair_by_position if cell.prefix_caching else None,
                     "block_size": block_size,
                     "hma": cell.hma,
                     "side_channel_host": host,

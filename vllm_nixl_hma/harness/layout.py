@@ -125,6 +125,7 @@ def build_vllm_config(
     device: str = "cpu",
     block_size: int | None = None,
     hma: bool = True,
+    mamba_prefix_caching: bool | None = None,
 ) -> VllmConfig:
     """A ``VllmConfig`` for one engine of TP ``tp_size``, with the block sizes a GPU worker sets.
 
@@ -174,10 +175,10 @@ def build_vllm_config(
             kv_role=kv_role,
             engine_id=engine_id,
             kv_buffer_device=device,
-            # prefix caching asked for keeps it for a Mamba hybrid (the opt-in)
-            kv_connector_extra_config={"mamba_prefix_caching": True}
-            if enable_prefix_caching
-            else {},
+            # the operator's word on a Mamba hybrid's prefix caching (None: unset)
+            kv_connector_extra_config={}
+            if mamba_prefix_caching is None
+            else {"mamba_prefix_caching": mamba_prefix_caching},
         ),
     )
     # Substitution 4: CPU forces HMA off; the GPU engines we stand in for run with it

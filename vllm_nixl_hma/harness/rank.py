@@ -48,6 +48,8 @@ class EngineSpec:
     max_model_len: int
     device: str = "cpu"
     enable_prefix_caching: bool = False
+    #: kv_connector_extra_config mamba_prefix_caching (None: unset)
+    mamba_prefix_caching: bool | None = None
     block_size: int | None = None  # --block-size
     hma: bool = True  # False: --disable-hybrid-kv-cache-manager
     #: the address its side channel listens on and prefill advertises
@@ -79,6 +81,7 @@ class RankEngine:
             enable_prefix_caching=spec.enable_prefix_caching,
             block_size=spec.block_size,
             hma=spec.hma,
+            mamba_prefix_caching=spec.mamba_prefix_caching,
         )
         if spec.device == "cuda":
             import torch
@@ -471,17 +474,18 @@ def _load(
                 if lease.PARAM in r["kv_transfer_params"]
             },
         )
-        from vllm_nixl_hma.core import positions
+    from vllm_nixl_hma.core import positions
 
-        setattr(
-            metadata,
-            positions.METADATA_ATTR,
-            {
-                r["request_id"]: positions.TokenSpan(*r["token_span"])
-                for r in requests
-                if "token_span" in r
-            },
-        )
+    # as NixlHMAConnector.build_connector_meta hands each request's span (both releases)
+    setattr(
+        metadata,
+        positions.METADATA_ATTR,
+        {
+            r["request_id"]: positions.TokenSpan(*r["token_span"])
+            for r in requests
+            if "token_span" in r
+        },
+    )
     start = time.perf_counter()
     done: set[str] = set()
     failed: set[str] = set()

@@ -117,13 +117,11 @@ class ReadPath:
         """Lists are paired by the token spans decode's scheduler side hands
         over: for a Mamba hybrid with prefix caching (kept by the config
         hook), or whenever ``mamba_prefix_caching`` is true."""
-        choice = config_values.mamba_prefix_caching(
-            self.kv_transfer_config.kv_connector_extra_config
+        return positions.pairs_by_position(
+            config_values.mamba_prefix_caching(self.kv_transfer_config.kv_connector_extra_config),
+            bool(self.vllm_config.cache_config.enable_prefix_caching),
+            self._group_kinds,
         )
-        if choice is not None:
-            return choice
-        caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
-        return caching and blocks.GroupKind.MAMBA in self._group_kinds
 
     @functools.cached_property
     def _token_spans(self) -> dict[str, positions.TokenSpan]:

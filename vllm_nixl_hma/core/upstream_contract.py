@@ -200,7 +200,6 @@ V033 = Contract(
         "on_new_request",
         "request_finished",
         "request_finished_all_groups",
-        "update_state_after_alloc",
     ),
     scheduler_overrides=(),
     scheduler_state=(),

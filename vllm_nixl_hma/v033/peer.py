@@ -119,7 +119,6 @@ class PeerChecks(RemoteRankBeingAdded):
             self._group_kinds,
             local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
             layout_conversion=layout_conversion,
-            pairs_by_position=self._pairs_by_position,
         )
 
     def _build_mamba_remote(

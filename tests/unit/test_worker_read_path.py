@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnect
 from tests.reference import FULL, MAMBA, SWA, build_side, pairing_errors
 from vllm_nixl_hma import NixlHMAConnectorWorker
 from vllm_nixl_hma.core.errors import IncompatibleRemoteError
+from vllm_nixl_hma.core.positions import TokenSpan
 from vllm_nixl_hma.harness.read_path import (
     LOCAL_XFER_HANDLE,
     REMOTE_ENGINE,
@@ -68,8 +69,23 @@ def decode_desc_ids(desc_ids, num_kernel_blocks, physical_per_logical, has_mamba
     return decoded
 
 
-def run_read_path(worker_cls, group_kinds, local_ratio, remote_ratio, num_tokens, seed, mocker):
-    """Run one request through the read path; return the oracle's complaints."""
+def run_read_path(
+    worker_cls,
+    group_kinds,
+    local_ratio,
+    remote_ratio,
+    num_tokens,
+    seed,
+    mocker,
+    hit_logical_blocks=0,
+    null_padded_mamba=False,
+):
+    """Run one request through the read path; return the oracle's complaints.
+
+    ``hit_logical_blocks``: decode's own prefix-cache hit (its list starts
+    after it); our worker is then handed the request's token span, as our
+    scheduler side hands it. ``null_padded_mamba``: prefill's Mamba list as
+    vLLM's mode ``align`` sends it, null blocks and the state last."""
     rng = random.Random(seed)
     local = build_side(
         num_tokens,
@@ -77,6 +93,7 @@ def run_read_path(worker_cls, group_kinds, local_ratio, remote_ratio, num_tokens
         local_ratio,
         KERNEL_BLOCK_TOKENS,
         rng,
+        prefix_hit_logical_blocks=hit_logical_blocks,
         window_tokens=WINDOW_TOKENS,
         pool_logical_blocks=LOGICAL_BLOCKS,
     )
@@ -92,12 +109,24 @@ def run_read_path(worker_cls, group_kinds, local_ratio, remote_ratio, num_tokens
     nixl_wrapper = mocker.Mock()
     nixl_wrapper.make_prepped_xfer.return_value = 7
     worker = read_path_worker(worker_cls, group_kinds, local_ratio, remote_ratio, nixl_wrapper)
+    remote_block_ids = [list(g) for g in remote.logical_ids_by_group]
+    if null_padded_mamba:
+        logical_count = -(-num_tokens // (KERNEL_BLOCK_TOKENS * remote_ratio))
+        remote_block_ids = [
+            [0] * (logical_count - 1) + ids if kind == MAMBA else ids
+            for ids, kind in zip(remote_block_ids, group_kinds, strict=True)
+        ]
+    if worker_cls is NixlHMAConnectorWorker and (hit_logical_blocks or null_padded_mamba):
+        # what our scheduler side hands the worker, with prefix caching of a hybrid
+        worker._pairs_by_position = True
+        hit_tokens = hit_logical_blocks * KERNEL_BLOCK_TOKENS * local_ratio
+        worker._token_spans["req-1"] = TokenSpan(hit_tokens, num_tokens)
     meta = ReqMeta(
         local_block_ids=[list(g) for g in local.logical_ids_by_group],
         local_physical_block_ids=[],
         tp_size=1,
         remote=RemoteMeta(
-            block_ids=[list(g) for g in remote.logical_ids_by_group],
+            block_ids=remote_block_ids,
             host="127.0.0.1",
             port=5600,
             engine_id=REMOTE_ENGINE,
@@ -201,6 +230,62 @@ def test_stock_0_21_0_fails_the_same_rows(kinds, local_ratio, remote_ratio, toke
     assert errors != []
 
 
+# (group kinds, local ratio, remote ratio, prompt tokens, decode hit in decode logical blocks)
+DECODE_HIT_ROWS = [
+    # hit inside a prefill logical block (decode 80 tokens, prefill 48)
+    pytest.param([FULL, MAMBA], 5, 3, 200, 1, id="hybrid-5-3-hit-inside"),
+    pytest.param([FULL, MAMBA], 5, 3, 190, 1, id="hybrid-5-3-tail-rule-misreads"),
+    # hit on a boundary of both sides (decode 48, prefill 80: 240 tokens)
+    pytest.param([FULL, MAMBA], 3, 5, 300, 5, id="hybrid-3-5-hit-on-both-boundaries"),
+    # all but the last decode block
+    pytest.param([MAMBA, FULL], 10, 6, 4 * 160 + 3, 4, id="hybrid-10-6-all-but-last"),
+    pytest.param([FULL, MAMBA, FULL], 6, 10, 7 * 96 + 9, 3, id="hybrid-6-10-two-groups"),
+]
+
+
+@pytest.mark.parametrize(("kinds", "local_ratio", "remote_ratio", "tokens", "hit"), DECODE_HIT_ROWS)
+def test_ours_pairs_a_decode_hit_by_token_position(
+    kinds, local_ratio, remote_ratio, tokens, hit, mocker
+):
+    """Decode holds ``hit`` logical blocks of the prompt already and reads the
+    rest; prefill's Mamba list is as mode ``align`` sends it (#26)."""
+    for seed in range(3):
+        errors = run_read_path(
+            NixlHMAConnectorWorker,
+            kinds,
+            local_ratio,
+            remote_ratio,
+            tokens,
+            seed,
+            mocker,
+            hit_logical_blocks=hit,
+            null_padded_mamba=True,
+        )
+        assert errors == []
+
+
+@pytest.mark.parametrize(("kinds", "local_ratio", "remote_ratio", "tokens", "hit"), DECODE_HIT_ROWS)
+def test_stock_0_21_0_misreads_or_asserts_on_the_same_decode_hits(
+    kinds, local_ratio, remote_ratio, tokens, hit, mocker
+):
+    """The check above can fail: stock pairs from the tail (prefill's list as
+    without prefix caching, so only the pairing rule is on trial)."""
+    try:
+        errors = run_read_path(
+            NixlConnectorWorker,
+            kinds,
+            local_ratio,
+            remote_ratio,
+            tokens,
+            0,
+            mocker,
+            hit_logical_blocks=hit,
+        )
+    except AssertionError as e:
+        errors = [f"assertion: {e}"]
+    assert errors != []
+
+
 def test_unalignable_lists_fail_the_request_before_any_read(mocker):
     nixl_wrapper = mocker.Mock()
     worker = read_path_worker(NixlHMAConnectorWorker, [FULL, MAMBA], 6, 10, nixl_wrapper)
@@ -239,16 +324,30 @@ def agent_metadata(remote_ratio: int) -> NixlAgentMetadata:
     )
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize(
+    ("kinds", "prefix_caching", "extra_config", "refused"),
+    [
+        # a dense model keeps the count rules: a hit would misalign them
+        pytest.param([FULL], True, {}, True, id="dense-prefix-caching"),
+        # the operator said no: the count rules again
+        pytest.param(
+            [FULL, MAMBA], True, {"mamba_prefix_caching": False}, True, id="hybrid-said-no"
+        ),
+        # a hybrid with prefix caching pairs by token position (#26)
+        pytest.param([FULL, MAMBA], True, {}, False, id="hybrid-pairs-by-position"),
+        pytest.param([FULL, MAMBA], False, {}, False, id="hybrid-no-prefix-caching"),
+    ],
+)
 def test_handshake_refuses_unequal_ratios_with_prefix_caching_before_upstream_checks(
-    prefix_caching, mocker
+    kinds, prefix_caching, extra_config, refused, mocker
 ):
     upstream = mocker.patch.object(NixlConnectorWorker, "_validate_remote_agent_handshake")
-    worker = read_path_worker(NixlHMAConnectorWorker, [FULL, MAMBA], 10, 6, mocker.Mock())
+    worker = read_path_worker(NixlHMAConnectorWorker, kinds, 10, 6, mocker.Mock())
     worker.vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)
     )
-    if prefix_caching:
+    worker.kv_transfer_config = SimpleNamespace(kv_connector_extra_config=extra_config)
+    if refused:
         with pytest.raises(RuntimeError, match="--no-enable-prefix-caching") as info:
             worker._validate_remote_agent_handshake(agent_metadata(6), 1)
         assert isinstance(info.value, IncompatibleRemoteError)

@@ -117,8 +117,12 @@ class ReadPath:
         """Lists are paired by the token spans decode's scheduler side hands
         over: for a Mamba hybrid with prefix caching (kept by the config
         hook), or whenever ``mamba_prefix_caching`` is true."""
+        # (absent in workers built bare: vLLM's own tests and the read-path harness)
+        transfer_config = getattr(self, "kv_transfer_config", None)
         return positions.pairs_by_position(
-            config_values.mamba_prefix_caching(self.kv_transfer_config.kv_connector_extra_config),
+            config_values.mamba_prefix_caching(
+                getattr(transfer_config, "kv_connector_extra_config", None)
+            ),
             bool(self.vllm_config.cache_config.enable_prefix_caching),
             self._group_kinds,
         )
@@ -183,7 +187,8 @@ class ReadPath:
         """
         if request_id in self._failed_recv_reqs:
             return  # refused on another remote rank already: nothing more is read
-        span = self._token_spans.get(request_id) if self._pairs_by_position else None
+        # (start_load_kv keeps spans only when this worker pairs by position)
+        span = self._token_spans.get(request_id)
         if not blocks.has_local_blocks(read_spec.local_block_ids):
             # nothing to read, only prefill to notify: upstream recognizes that
             # by an empty list (start_load_kv gave such a request empty groups)

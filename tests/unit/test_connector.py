@@ -74,8 +74,11 @@ def test_constructor_leaves_the_same_state_as_upstream(role, mocker):
     vllm_config, kv_cache_config = small_configs()
     stock = NixlConnector(vllm_config, role, kv_cache_config)
     ours = NixlHMAConnector(vllm_config, role, kv_cache_config)
-    # ours adds only its ticket book, on the scheduler side
-    ours_only = {"_tickets"} if role == KVConnectorRole.SCHEDULER else set()
+    # ours adds only its ticket book, on the scheduler side, and the tokens each
+    # request reads (between update_state_after_alloc and build_connector_meta)
+    ours_only = {"_external_tokens"} | (
+        {"_tickets"} if role == KVConnectorRole.SCHEDULER else set()
+    )
     assert set(vars(ours)) == set(vars(stock)) | ours_only
     if role == KVConnectorRole.WORKER:
         upstream_worker.assert_called_once()

@@ -119,13 +119,14 @@ class ReadPath:
         hook), or whenever ``mamba_prefix_caching`` is true."""
         # (absent in workers built bare: vLLM's own tests and the read-path harness)
         transfer_config = getattr(self, "kv_transfer_config", None)
-        return positions.pairs_by_position(
-            config_values.mamba_prefix_caching(
-                getattr(transfer_config, "kv_connector_extra_config", None)
-            ),
-            bool(self.vllm_config.cache_config.enable_prefix_caching),
-            self._group_kinds,
+        cache_config = getattr(getattr(self, "vllm_config", None), "cache_config", None)
+        choice = config_values.mamba_prefix_caching(
+            getattr(transfer_config, "kv_connector_extra_config", None)
         )
+        caching = bool(getattr(cache_config, "enable_prefix_caching", False))
+        if choice is None and not caching:
+            return False  # (without asking for the group kinds, unknown to bare workers)
+        return positions.pairs_by_position(choice, caching, self._group_kinds)
 
     @functools.cached_property
     def _token_spans(self) -> dict[str, positions.TokenSpan]:

@@ -2,6 +2,9 @@
 
     $(bash tools/env.sh cpu)/bin/python benchmarks/prefix_caching.py [--json] [--quick]
 
+(the engines run in vLLM's CPU build, this interpreter's; the check harness's
+part runs in the main environment, ``bash tools/env.sh``, in a subprocess)
+
 Two parts, side by side in one run, each printing a table with ratios:
 
 Prefill (real engines, vLLM's CPU build): one engine of the embedded
@@ -158,7 +161,7 @@ def decode_rows(repeats: int, progress) -> list[dict]:
                     "ratio_d_p": f"{results[0].local_ratio}/{results[0].remote_ratio}",
                     "bytes_hit": int(median(hit, "bytes")),
                     "bytes_whole": int(median(whole, "bytes")),
-                    "bytes_ratio": round(median(hit, "bytes") / median(whole, "bytes"), 3),
+                    "bytes_ratio": round(median(hit, "bytes") / max(median(whole, "bytes"), 1), 3),
                     "descriptors_hit": int(median(hit, "descriptors")),
                     "descriptors_whole": int(median(whole, "descriptors")),
                     "seconds_hit": round(median(hit, "seconds"), 4),
@@ -170,6 +173,26 @@ def decode_rows(repeats: int, progress) -> list[dict]:
     finally:
         pool.close()
     return rows
+
+
+def decode_rows_in_main_environment(quick: bool, progress) -> list[dict]:
+    """``decode_rows`` run by the main environment's interpreter (the check
+    harness runs on vLLM's CUDA build with its CPU substitutions)."""
+    import subprocess
+
+    venv = (
+        subprocess.run(
+            ["bash", str(ROOT / "tools" / "env.sh")], check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    command = [f"{venv}/bin/python", __file__, "--decode-reads-only"]
+    if quick:
+        command.append("--quick")
+    progress(f"decode reads in {venv}")
+    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def print_table(title: str, rows: list[dict]) -> None:
@@ -187,15 +210,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="fewer conversations and repeats")
+    parser.add_argument("--decode-reads-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     def progress(line: str) -> None:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
 
     conversations, repeats = (2, 2) if args.quick else (5, 5)
+    if args.decode_reads_only:
+        print(json.dumps(decode_rows(repeats, progress)))
+        return 0
     result = {
         "prefill": prefill_rows(conversations, progress),
-        "decode_reads": decode_rows(repeats, progress),
+        "decode_reads": decode_rows_in_main_environment(args.quick, progress),
     }
     print_table(
         "prefill, turn 2 of a conversation, prefix caching on against off (medians)",

@@ -38,6 +38,21 @@ def side(num_logical: int, first_token: int, logical_tokens: int, ratio: int, rn
     return kernel, first_token_of
 
 
+def decode_hit_sides(local_ratio, remote_ratio, prefill_tokens, hit, rng):
+    """Decode's blocks after a hit of ``hit`` tokens, prefill's from token 0."""
+    local_logical = KERNEL_TOKENS * local_ratio
+    remote_logical = KERNEL_TOKENS * remote_ratio
+    local = side(
+        math.ceil(prefill_tokens / local_logical) - hit // local_logical,
+        hit,
+        local_logical,
+        local_ratio,
+        rng,
+    )
+    remote = side(math.ceil(prefill_tokens / remote_logical), 0, remote_logical, remote_ratio, rng)
+    return local, remote
+
+
 def cells():
     for local_ratio, remote_ratio in itertools.product((1, 2, 3, 5), repeat=2):
         local_logical = KERNEL_TOKENS * local_ratio
@@ -50,17 +65,8 @@ def test_every_read_block_pairs_with_the_block_of_the_same_tokens_exhaustive():
     rng = random.Random(26)
     checked = 0
     for local_ratio, remote_ratio, prefill_tokens, hit in cells():
-        local_logical = KERNEL_TOKENS * local_ratio
-        remote_logical = KERNEL_TOKENS * remote_ratio
-        local, local_at = side(
-            math.ceil(prefill_tokens / local_logical) - hit // local_logical,
-            hit,
-            local_logical,
-            local_ratio,
-            rng,
-        )
-        remote, remote_at = side(
-            math.ceil(prefill_tokens / remote_logical), 0, remote_logical, remote_ratio, rng
+        (local, local_at), (remote, remote_at) = decode_hit_sides(
+            local_ratio, remote_ratio, prefill_tokens, hit, rng
         )
         span = TokenSpan(hit, prefill_tokens)
         (local_out,), (remote_out,) = pair_by_token_position(
@@ -86,16 +92,8 @@ def test_count_rules_misread_the_same_decode_hits():
     for local_ratio, remote_ratio, prefill_tokens, hit in cells():
         if local_ratio == remote_ratio or hit == 0:
             continue
-        local_logical, remote_logical = KERNEL_TOKENS * local_ratio, KERNEL_TOKENS * remote_ratio
-        local, local_at = side(
-            math.ceil(prefill_tokens / local_logical) - hit // local_logical,
-            hit,
-            local_logical,
-            local_ratio,
-            rng,
-        )
-        remote, remote_at = side(
-            math.ceil(prefill_tokens / remote_logical), 0, remote_logical, remote_ratio, rng
+        (local, local_at), (remote, remote_at) = decode_hit_sides(
+            local_ratio, remote_ratio, prefill_tokens, hit, rng
         )
         try:
             (local_out,), (remote_out,) = align_kernel_ids_by_group(

@@ -31,6 +31,7 @@ __all__ = [
     "LogicalIds",
     "align_kernel_ids_by_group",
     "check_alignable",
+    "check_group_count",
     "has_local_blocks",
     "logical_to_kernel_ids",
     "logical_to_kernel_ids_by_group",
@@ -144,6 +145,22 @@ def _pair_leading(
     return local_kernel_ids[:paired_count], remote_kernel_ids[:paired_count]
 
 
+def check_group_count(
+    local_ids_by_group: Sequence[KernelIds],
+    remote_ids_by_group: Sequence[KernelIds],
+    group_kinds: Sequence[GroupKind],
+) -> None:
+    """Raise ``BlockAlignmentError`` unless both sides sent one list per group."""
+    group_count = len(group_kinds)
+    if len(local_ids_by_group) != group_count or len(remote_ids_by_group) != group_count:
+        raise BlockAlignmentError(
+            "number of KV cache groups",
+            len(local_ids_by_group),
+            len(remote_ids_by_group),
+            f"both sides must send one block list per KV cache group ({group_count})",
+        )
+
+
 def align_kernel_ids_by_group(
     local_kernel_ids_by_group: Sequence[KernelIds],
     remote_kernel_ids_by_group: Sequence[KernelIds],
@@ -173,16 +190,7 @@ def align_kernel_ids_by_group(
     """
     if len(local_kernel_ids_by_group) == 0:
         return [], []
-    group_count = len(group_kinds)
-    if len(local_kernel_ids_by_group) != group_count or (
-        len(remote_kernel_ids_by_group) != group_count
-    ):
-        raise BlockAlignmentError(
-            "number of KV cache groups",
-            len(local_kernel_ids_by_group),
-            len(remote_kernel_ids_by_group),
-            f"both sides must send one block list per KV cache group ({group_count})",
-        )
+    check_group_count(local_kernel_ids_by_group, remote_kernel_ids_by_group, group_kinds)
     pair_leading = local_physical_per_logical != remote_physical_per_logical
     max_physical_per_logical = max(local_physical_per_logical, remote_physical_per_logical)
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from vllm_nixl_hma.core.blocks import GroupKind, KernelIds
+from vllm_nixl_hma.core.blocks import GroupKind, KernelIds, check_group_count
 from vllm_nixl_hma.core.errors import BlockAlignmentError
 
 __all__ = [
@@ -217,16 +217,7 @@ def pair_by_token_position(
     span.check(kernel_block_tokens * local_physical_per_logical)
     if len(local_kernel_ids_by_group) == 0:
         return [], []
-    group_count = len(group_kinds)
-    if len(local_kernel_ids_by_group) != group_count or (
-        len(remote_kernel_ids_by_group) != group_count
-    ):
-        raise BlockAlignmentError(
-            "number of KV cache groups",
-            len(local_kernel_ids_by_group),
-            len(remote_kernel_ids_by_group),
-            f"both sides must send one block list per KV cache group ({group_count})",
-        )
+    check_group_count(local_kernel_ids_by_group, remote_kernel_ids_by_group, group_kinds)
     equal_ratios = local_physical_per_logical == remote_physical_per_logical
     local_out: list[npt.NDArray[np.int64]] = []
     remote_out: list[npt.NDArray[np.int64]] = []

@@ -22,6 +22,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_nixl_hma.core import upstream_contract
+from vllm_nixl_hma.core.positions import NULL_BLOCK_ID  # vLLM's null block: never invalid
 
 __all__ = [
     "FACTORY_PATH",
@@ -32,7 +33,6 @@ __all__ = [
 ]
 
 FACTORY_PATH = "vllm_nixl_hma.v021.scheduler.make_scheduler"
-NULL_BLOCK_ID = 0  # vLLM's BlockPool null block: shared by every request, never invalid
 
 
 class HybridInvalidBlocksMixin:

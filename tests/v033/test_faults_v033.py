@@ -45,16 +45,43 @@ def results(tmp_path_factory):
         cells[(connector, "expired-lease", "1->1")] = coordinator.Cell(
             "hybrid", dirs["hybrid"], 1, 1, connector, [Scenario("mid-block")], expire_lease=True
         )
+        # mamba_prefix_caching false: decode keeps the count rules
         cells[(connector, "prefix-caching", "2->1")] = coordinator.Cell(
-            "hybrid", dirs["hybrid"], 2, 1, connector, [Scenario("mid-block")], prefix_caching=True
+            "hybrid",
+            dirs["hybrid"],
+            2,
+            1,
+            connector,
+            [Scenario("mid-block")],
+            prefix_caching=True,
+            pair_by_position=False,
         )
+        # decode-side prefix-cache hits at unequal ratios (#26)
+        cells[(connector, "decode-hit", "2->1")] = coordinator.Cell(
+            "hybrid",
+            dirs["hybrid"],
+            2,
+            1,
+            connector,
+            [Scenario("decode-hit"), Scenario("no-hit")],
+            prefix_caching=True,
+        )
+    cells[("NixlHMAConnector", "decode-hit", "1->2")] = coordinator.Cell(
+        "hybrid",
+        dirs["hybrid"],
+        1,
+        2,
+        "NixlHMAConnector",
+        [Scenario("decode-hit"), Scenario("no-hit")],
+        prefix_caching=True,
+    )
     cells[("NixlHMAConnector", "prefix-caching", "1->1")] = coordinator.Cell(
         "hybrid",
         dirs["hybrid"],
         1,
         1,
         "NixlHMAConnector",
-        [Scenario("mid-block"), Scenario("decode-hit"), Scenario("no-hit")],
+        [Scenario("mid-block")],
         prefix_caching=True,
     )
     return run_by_key(cells, pool_size=3)
@@ -90,17 +117,32 @@ def test_ours_refuses_prefix_caching_across_ratios_before_registering(results):
     assert stock.remote_engines_registered == 1  # registered and loaded, then refused
 
 
-def test_ours_keeps_prefix_caching_at_equal_ratios(results):
-    """Equal ratios on 0.33: upstream's tail rule pairs a decode-side hit
-    right (``decode-hit``: decode holds a prefix and reads the rest), and
-    reads fewer bytes than the same prompts read whole (``no-hit``)."""
-    rows = results[("NixlHMAConnector", "prefix-caching", "1->1")]
-    for ours in rows:
-        assert ours.local_ratio == ours.remote_ratio
-        assert ours.error is None and ours.mismatched_slots == 0, (ours.name, ours.examples)
-        assert ours.slots_checked > 100_000
-    _, hit, whole = rows
+@pytest.mark.parametrize("cell", ["2->1", "1->2"])
+def test_ours_reads_only_the_uncached_tail_after_a_decode_hit_across_ratios(results, cell):
+    """Prefix caching of the hybrid at unequal ratios, paired by token
+    position (``positions``): every slot right, fewer bytes than the same
+    prompts read whole."""
+    hit, whole = results[("NixlHMAConnector", "decode-hit", cell)]
+    assert hit.local_ratio != hit.remote_ratio
+    for row in (hit, whole):
+        assert row.error is None and row.mismatched_slots == 0, (row.name, row.examples)
+        assert row.slots_checked > 100_000
     assert 0 < hit.bytes < whole.bytes
+
+
+def test_stock_033_refuses_decode_hits_across_ratios(results):
+    """0.33.0 refuses a Mamba hybrid with prefix caching across unequal
+    ratios at handshake (after loading the remote agent): nothing read."""
+    for row in results[("NixlConnector", "decode-hit", "2->1")]:
+        assert row.requests_failed == 3 and row.silently_wrong_slots == 0, row.error
+        assert row.bytes == 0
+
+
+def test_ours_keeps_prefix_caching_at_equal_ratios(results):
+    (ours,) = results[("NixlHMAConnector", "prefix-caching", "1->1")]
+    assert ours.local_ratio == ours.remote_ratio
+    assert ours.error is None and ours.mismatched_slots == 0
+    assert ours.slots_checked > 100_000
 
 
 def test_ours_refuses_to_read_past_prefills_lease_and_stock_reads_reused_blocks(results):

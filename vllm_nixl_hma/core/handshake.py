@@ -553,6 +553,7 @@ def refuse_before_loading(
     *,
     local_prefix_caching: bool,
     layout_conversion: bool = False,
+    pairs_by_position: bool = False,
 ) -> None:
     """vLLM 0.33 decode's check of a prefill rank before its agent is loaded
     (``agent_fact_checks``, then the pairing of the two ratios under decode's
@@ -564,5 +565,6 @@ def refuse_before_loading(
             local.physical_per_logical,
             remote.physical_per_logical,
             local_prefix_caching=local_prefix_caching,
+            pairs_by_position=pairs_by_position,
         ),
     )

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from vllm_nixl_hma.core import config_values
 from vllm_nixl_hma.core.blocks import GroupKind, KernelIds, check_group_count
 from vllm_nixl_hma.core.errors import BlockAlignmentError
 
@@ -50,6 +51,7 @@ __all__ = [
     "pair_by_token_position",
     "pairs_by_position",
     "span_for_prompt",
+    "worker_pairs_by_position",
 ]
 
 #: vLLM's null block: never handed to a request, never holds KV or a state
@@ -117,6 +119,23 @@ def pairs_by_position(
     if choice is not None:
         return choice
     return prefix_caching and GroupKind.MAMBA in group_kinds
+
+
+def worker_pairs_by_position(worker: object) -> bool:
+    """``pairs_by_position`` for a decode worker of either release, read from
+    its ``kv_transfer_config``, ``vllm_config.cache_config`` and
+    ``_group_kinds``. Workers built bare (vLLM's own tests, the read-path
+    harness) may lack the configs; they pair by counts, and their group
+    kinds are not asked for."""
+    transfer_config = getattr(worker, "kv_transfer_config", None)
+    cache_config = getattr(getattr(worker, "vllm_config", None), "cache_config", None)
+    choice = config_values.mamba_prefix_caching(
+        getattr(transfer_config, "kv_connector_extra_config", None)
+    )
+    caching = bool(getattr(cache_config, "enable_prefix_caching", False))
+    if choice is None and not caching:
+        return False
+    return pairs_by_position(choice, caching, worker._group_kinds)  # type: ignore[attr-defined]
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -474,19 +474,18 @@ def _load(
                 if lease.PARAM in r["kv_transfer_params"]
             },
         )
-    if not V033:  # 0.33's glue pairs as upstream does (docs/design.md section 7)
-        from vllm_nixl_hma.core import positions
+    from vllm_nixl_hma.core import positions
 
-        # as NixlHMAConnector.build_connector_meta hands each request's span
-        setattr(
-            metadata,
-            positions.METADATA_ATTR,
-            {
-                r["request_id"]: positions.TokenSpan(*r["token_span"])
-                for r in requests
-                if "token_span" in r
-            },
-        )
+    # as NixlHMAConnector.build_connector_meta hands each request's span (both releases)
+    setattr(
+        metadata,
+        positions.METADATA_ATTR,
+        {
+            r["request_id"]: positions.TokenSpan(*r["token_span"])
+            for r in requests
+            if "token_span" in r
+        },
+    )
     start = time.perf_counter()
     done: set[str] = set()
     failed: set[str] = set()

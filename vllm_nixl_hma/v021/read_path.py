@@ -28,7 +28,6 @@ from vllm.logger import init_logger  # noqa: E402
 
 from vllm_nixl_hma.core import (  # noqa: E402
     blocks,
-    config_values,
     page_runs,
     positions,
 )
@@ -117,16 +116,7 @@ class ReadPath:
         """Lists are paired by the token spans decode's scheduler side hands
         over: for a Mamba hybrid with prefix caching (kept by the config
         hook), or whenever ``mamba_prefix_caching`` is true."""
-        # (absent in workers built bare: vLLM's own tests and the read-path harness)
-        transfer_config = getattr(self, "kv_transfer_config", None)
-        cache_config = getattr(getattr(self, "vllm_config", None), "cache_config", None)
-        choice = config_values.mamba_prefix_caching(
-            getattr(transfer_config, "kv_connector_extra_config", None)
-        )
-        caching = bool(getattr(cache_config, "enable_prefix_caching", False))
-        if choice is None and not caching:
-            return False  # (without asking for the group kinds, unknown to bare workers)
-        return positions.pairs_by_position(choice, caching, self._group_kinds)
+        return positions.worker_pairs_by_position(self)
 
     @functools.cached_property
     def _token_spans(self) -> dict[str, positions.TokenSpan]:

@@ -26,7 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noq
 )
 from vllm.logger import init_logger  # noqa: E402
 
-from vllm_nixl_hma.core import lease, tickets, upstream_contract  # noqa: E402
+from vllm_nixl_hma.core import (  # noqa: E402
+    config_values,
+    lease,
+    positions,
+    tickets,
+    upstream_contract,
+)
 from vllm_nixl_hma.v033.lease_checks import LEASE_EXTENSIONS_ATTR  # noqa: E402
 from vllm_nixl_hma.v033.listener import NixlHMAConnectorScheduler  # noqa: E402
 from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker  # noqa: E402
@@ -52,6 +58,9 @@ class NixlHMAConnector(NixlPullConnector):
     #: the scheduler side's keys and honoured tickets (``__init__``); this
     #: default, without a key, for a connector built without our constructor
     _tickets: tickets.TicketBook = tickets.TicketBook(None)
+    #: {request id: tokens it reads from prefill}, from ``update_state_after_alloc``
+    #: to the ``build_connector_meta`` of the same step (``positions``)
+    _external_tokens: dict[str, int]
 
     def __init__(
         self,
@@ -70,7 +79,12 @@ class NixlHMAConnector(NixlPullConnector):
         """
         upstream_contract.V033.require_connector_class(NixlPullConnector, KVConnectorBase_V1)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        self._external_tokens = {}
         if role == KVConnectorRole.SCHEDULER:
+            # a bad mamba_prefix_caching value stops startup here, naming the key
+            config_values.mamba_prefix_caching(
+                vllm_config.kv_transfer_config.kv_connector_extra_config
+            )
             # a bad key file or ticket_ttl_s stops startup here, naming the key
             self._tickets = tickets.TicketBook.from_extra_config(
                 vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -155,6 +169,17 @@ class NixlHMAConnector(NixlPullConnector):
             params[lease.EXTENSION_PARAM] = scheduler._kv_lease_duration * 2 // 3
         return params
 
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
+        """vLLM 0.33.0 ``update_state_after_alloc``, noting how many tokens a
+        request reads from prefill. Why: with a decode-side prefix-cache hit,
+        decode's block lists start at the hit and prefill's at token 0, which
+        upstream pairs from token 0 across unequal ratios. What changes:
+        ``build_connector_meta`` hands the workers each request's
+        ``positions.TokenSpan``. Remove when: upstream pairs by position."""
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens > 0:
+            self._external_tokens[request.request_id] = num_external_tokens
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput):
         """vLLM 0.33.0 ``build_connector_meta``, plus the lease extensions of the
         requests to receive (``LEASE_EXTENSIONS_ATTR``, read by the worker's
@@ -191,8 +216,19 @@ class NixlHMAConnector(NixlPullConnector):
         for request_id, error in refused.items():
             logger.error(tickets.REFUSED, request_id, error)
             scheduler._stop_heartbeat(request_id)
+        # vLLM set num_computed_tokens of a request it parks for its KV to its
+        # own hit plus what it reads, before this call
+        external_tokens, self._external_tokens = self._external_tokens, {}
+        spans = {
+            request_id: positions.span_for_prompt(
+                entry[0].num_computed_tokens, external_tokens[request_id]
+            )
+            for request_id, entry in entries
+            if request_id in external_tokens
+        }
         metadata = super().build_connector_meta(scheduler_output)
         setattr(metadata, LEASE_EXTENSIONS_ATTR, extensions)
+        setattr(metadata, positions.METADATA_ATTR, spans)
         setattr(
             metadata,
             tickets.METADATA_ATTR,

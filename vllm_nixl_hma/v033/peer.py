@@ -6,6 +6,8 @@ method departs from upstream).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from vllm_nixl_hma._compat import require_adapter
@@ -83,6 +85,46 @@ class PeerChecks(RemoteRankBeingAdded):
                 nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
             )
 
+    def _validate_remote_agent_handshake(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        remote_tp_size: int,
+        remote_dcp_size: int = 1,
+    ):
+        """vLLM 0.33.0 ``_validate_remote_agent_handshake``, without its one
+        refusal of prefix caching across unequal ratios when we pair by position.
+
+        Why: upstream raises "Prefix caching with heterogeneous
+        physical_blocks_per_logical is not supported for Mamba hybrid models"
+        for every prefill rank whose kernel-per-logical ratio differs from
+        decode's while prefix caching is on, because its tail rule mispairs a
+        decode-side hit there. With token spans (``positions``, read by
+        ``ReadPath``) a decode-side hit pairs right at any ratio, and our
+        ``_refuse_before_loading`` has already refused every case position
+        pairing does not serve (a model without Mamba state, sliding-window
+        groups, ``mamba_prefix_caching: false``). What changes: upstream's
+        checks run on a copy of prefill's metadata whose
+        ``physical_blocks_per_logical_kv_block`` is decode's; that field is
+        read by this method alone for that refusal and for a DCP check, so
+        the copy is handed only with DCP 1 on both sides. The registered
+        metadata, the transfer topology and the config are untouched (other
+        handshake threads read them). Remove when: upstream pairs decode-side
+        hits by position.
+        """
+        local_ratio = self._physical_blocks_per_logical_kv_block
+        if (
+            self._pairs_by_position
+            and nixl_agent_meta.physical_blocks_per_logical_kv_block != local_ratio
+            and self.dcp_size == 1
+            and remote_dcp_size == 1
+        ):
+            nixl_agent_meta = dataclasses.replace(
+                nixl_agent_meta, physical_blocks_per_logical_kv_block=local_ratio
+            )
+        return super()._validate_remote_agent_handshake(
+            nixl_agent_meta, remote_tp_size, remote_dcp_size
+        )
+
     def _refuse_before_loading(
         self, nixl_agent_meta: NixlAgentMetadata, remote_tp_rank: int, remote_tp_size: int
     ) -> None:
@@ -119,6 +161,7 @@ class PeerChecks(RemoteRankBeingAdded):
             self._group_kinds,
             local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
             layout_conversion=layout_conversion,
+            pairs_by_position=self._pairs_by_position,
         )
 
     def _build_mamba_remote(

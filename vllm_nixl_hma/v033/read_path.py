@@ -6,6 +6,8 @@ in ``worker.py`` says why each method departs from upstream).
 
 from __future__ import annotations
 
+import functools
+
 from vllm_nixl_hma._compat import require_adapter
 
 require_adapter("v033", "vllm_nixl_hma.v033.read_path")
@@ -15,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # no
     ReadSpec,
 )
 
-from vllm_nixl_hma.core import blocks  # noqa: E402
+from vllm_nixl_hma.core import blocks, positions  # noqa: E402
 from vllm_nixl_hma.core.errors import BlockAlignmentError  # noqa: E402
 
 __all__ = ["ReadPath"]
@@ -24,6 +26,43 @@ __all__ = ["ReadPath"]
 class ReadPath:
     """The read path of ``NixlHMAConnectorWorker`` (a mixin before vLLM's
     ``NixlPullConnectorWorker`` in its bases: ``super()`` is upstream's)."""
+
+    #: the token span of the request ``_read_blocks`` is pairing, for
+    #: ``_apply_prefix_caching`` (which upstream calls with lists only)
+    _span_being_read: positions.TokenSpan | None = None
+
+    @functools.cached_property
+    def _pairs_by_position(self) -> bool:
+        """Lists are paired by the token spans decode's scheduler side hands
+        over: for a Mamba hybrid with prefix caching, or whenever
+        ``mamba_prefix_caching`` is true (``positions.pairs_by_position``)."""
+        return positions.worker_pairs_by_position(self)
+
+    @functools.cached_property
+    def _token_spans(self) -> dict[str, positions.TokenSpan]:
+        """{request id: its span}, from the metadata until its receive ends"""
+        return {}
+
+    def start_load_kv(self, metadata):
+        """vLLM 0.33.0 ``start_load_kv``, after noting the token span of each
+        request to receive (``positions.METADATA_ATTR``, set by
+        ``NixlHMAConnector.build_connector_meta``). No upstream counterpart:
+        upstream pairs by list lengths.
+
+        A span is kept while upstream keeps the request's receive metadata
+        (``_recving_metadata``: until its reads finish or fail). It cannot be
+        dropped once ``_read_blocks_for_req`` returns, as on 0.21: on 0.33
+        that method also starts the handshake of an unknown prefill engine
+        and returns, and the request comes back to it from the handshake
+        thread's queue."""
+        spans = getattr(metadata, positions.METADATA_ATTR, None)
+        if self._token_spans:
+            in_flight = self._recving_metadata
+            for request_id in [r for r in self._token_spans if r not in in_flight]:
+                del self._token_spans[request_id]
+        if spans and self._pairs_by_position:
+            self._token_spans.update(spans)
+        super().start_load_kv(metadata)
 
     def _apply_prefix_caching(
         self,
@@ -42,9 +81,23 @@ class ReadPath:
         the surplus is dropped (``blocks.align_kernel_ids_by_group``; prefix
         caching and sliding-window groups are refused at handshake in that
         setup); every other case is upstream's. A ``BlockAlignmentError``
-        fails the request (``_read_blocks``). Remove when: upstream pairs
-        unequal ratios of dense models by position.
+        fails the request (``_read_blocks``). With a token span (prefix
+        caching of a Mamba hybrid, ``positions``): pairing by token position,
+        where upstream pairs a decode-side hit at unequal ratios from token
+        0. Remove when: upstream pairs by position.
         """
+        span = self._span_being_read
+        if span is not None:
+            local_aligned, remote_aligned = positions.pair_by_token_position(
+                decode_block_ids,
+                prefill_block_ids,
+                self._group_kinds,
+                span,
+                kernel_block_tokens=int(self.block_size),  # kernel tokens once registered
+                local_physical_per_logical=decode_physical_per_logical,
+                remote_physical_per_logical=prefill_physical_per_logical,
+            )
+            return [ids.tolist() for ids in local_aligned], [ids.tolist() for ids in remote_aligned]
         if self._has_mamba or decode_physical_per_logical == prefill_physical_per_logical:
             return super()._apply_prefix_caching(
                 decode_block_ids=decode_block_ids,
@@ -85,6 +138,9 @@ class ReadPath:
         finish first, as upstream lets them). Remove when: upstream's pairing
         checks fail the request.
         """
+        self._span_being_read = (
+            self._token_spans.get(request_id) if self._pairs_by_position else None
+        )
         try:
             return super()._read_blocks(
                 read_spec,
@@ -108,3 +164,5 @@ class ReadPath:
             )
             self._handle_failed_transfer(request_id, None, self._recv_failures)
             return False
+        finally:
+            self._span_being_read = None

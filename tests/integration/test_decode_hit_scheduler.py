@@ -1,4 +1,5 @@
-"""A decode-side prefix-cache hit through vLLM 0.21.0's real scheduler (#26).
+"""A decode-side prefix-cache hit through vLLM's real scheduler (#26), on
+both releases (the vLLM 0.33 part of tools/test.sh runs this file too).
 
 The hybrid's decode engine (prefix caching kept by ``mamba_prefix_caching``,
 Mamba cache mode 'align') receives one remote-prefill request, which vLLM
@@ -21,14 +22,16 @@ from vllm.v1.request import Request, RequestStatus
 from tests.integration.test_scheduler_failures import build_scheduler, report
 from vllm_nixl_hma.core import positions
 from vllm_nixl_hma.harness import coordinator, layout
-from vllm_nixl_hma.harness.model_shapes import LAYOUTS
+from vllm_nixl_hma.harness.model_shapes import installed_layouts
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def hybrid_config(tmp_path_factory):
-    model_dir = coordinator.model_dir_for(LAYOUTS["hybrid"], tmp_path_factory.mktemp("m"))
+    model_dir = coordinator.model_dir_for(
+        installed_layouts()["hybrid"], tmp_path_factory.mktemp("m")
+    )
     vllm_config = layout.build_vllm_config(
         model_dir,
         1,

@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         "mamba_prefix_caching), and each cell also runs the decode-hit scenario: "
         "decode already holds a prefix and reads only the rest",
     )
+    check.add_argument(
+        "--mamba-cache-mode",
+        choices=("align", "all"),
+        default=None,
+        help="with --prefix-caching: both engines' --mamba-cache-mode (default: not "
+        "given, the plugin picks align; all: vLLM 0.21.0 only, for models vLLM caches "
+        "that way)",
+    )
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where KV caches live"
@@ -294,6 +302,7 @@ def _cells(args: argparse.Namespace, workdir: Path):
             ],
             device=args.device,
             prefix_caching=args.prefix_caching,
+            mamba_cache_mode=args.mamba_cache_mode,
         )
         for name, model_dir in model_dirs.items()
         for p_tp, d_tp in tp_pairs

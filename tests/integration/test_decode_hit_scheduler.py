@@ -20,15 +20,19 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from tests.integration.test_scheduler_failures import build_scheduler, report
+from vllm_nixl_hma import _compat
 from vllm_nixl_hma.core import positions
 from vllm_nixl_hma.harness import coordinator, layout
 from vllm_nixl_hma.harness.model_shapes import installed_layouts
 
 pytestmark = pytest.mark.slow
 
+#: Mamba cache modes the installed vLLM offers with prefix caching (0.33 has no 'all')
+MODES = ["align"] if _compat.adapter() == "v033" else ["align", "all"]
 
-@pytest.fixture(scope="module")
-def hybrid_config(tmp_path_factory):
+
+@pytest.fixture(scope="module", params=MODES)
+def hybrid_config(request, tmp_path_factory):
     model_dir = coordinator.model_dir_for(
         installed_layouts()["hybrid"], tmp_path_factory.mktemp("m")
     )
@@ -41,6 +45,7 @@ def hybrid_config(tmp_path_factory):
         256,
         4096,
         enable_prefix_caching=True,
+        mamba_cache_mode=None if request.param == "align" else request.param,
     )
     with layout.single_process_tp_group(vllm_config):
         kv_cache_config = layout.build_engine_layout(vllm_config, 0).kv_cache_config
@@ -84,10 +89,19 @@ def remote_prefill(request_id: str, prompt_tokens: int, hasher=None) -> Request:
     )
 
 
-def test_the_opt_in_keeps_prefix_caching_in_align_mode(hybrid_config):
+def test_the_opt_in_keeps_prefix_caching_in_the_mode_asked_for(hybrid_config):
+    """Not given: 'align' (the config hook's choice); 'all' when given."""
     vllm_config, kv_cache_config = hybrid_config
     assert vllm_config.cache_config.enable_prefix_caching
-    assert vllm_config.cache_config.mamba_cache_mode == "align"
+    assert vllm_config.cache_config.mamba_cache_mode in MODES
+    mamba = [
+        group.kv_cache_spec
+        for group in kv_cache_config.kv_cache_groups
+        if type(group.kv_cache_spec).__name__ == "MambaSpec"
+    ]
+    assert mamba and all(
+        spec.mamba_cache_mode == vllm_config.cache_config.mamba_cache_mode for spec in mamba
+    )
     assert len(kv_cache_config.kv_cache_groups) > 1
 
 
@@ -135,6 +149,13 @@ def test_a_second_turn_gets_the_span_of_its_local_hit(hybrid_config):
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         if index != attention and type(group.kv_cache_spec).__name__ == "MambaSpec":
             assert len(local[index]) == 1  # the one state block decode receives into
+            # in 'all' as in 'align': every block before the running state is
+            # vLLM's null block, so decode holds (and will cache) no boundary
+            # state it did not receive
+            for blocks in (first_blocks[index], second_blocks[index]):
+                assert set(blocks[:-1]) == {positions.NULL_BLOCK_ID}, blocks
+                assert blocks[-1] != positions.NULL_BLOCK_ID
+            assert local[index] == second_blocks[index][-1:]
 
 
 def test_a_prompt_without_a_hit_reads_from_token_zero(hybrid_config):

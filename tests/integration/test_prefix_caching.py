@@ -6,6 +6,12 @@ Hits end inside a prefill logical block, on a block boundary of both sides,
 and one decode block before the end (``Scenario.decode_hits``); "no-hit"
 reads the same prompts whole. Stock vLLM 0.21.0 pairs the hybrid's lists
 from the tail: it reads other tokens' KV into decode's blocks, or asserts.
+
+Both Mamba cache modes vLLM 0.21.0 offers the hybrid (Bamba) with prefix
+caching run: ``align`` (the config hook's default) and ``all``. In ``all``
+prefill's Mamba list holds a real block per logical block of the prompt's
+last chunk, here pages holding other data, so a read of any but the last
+(the running state) shows as wrong slots.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ OURS_CELLS = [
     ("swa", 2, 1),
 ]
 STOCK_CELLS = [("hybrid", 2, 1), ("hybrid", 1, 2)]
+#: cells run in Mamba cache mode 'all' as well (ours)
+ALL_MODE_CELLS = [("hybrid", 2, 1), ("hybrid", 1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +47,19 @@ def results(tmp_path_factory):
     scenarios = [coordinator.Scenario("decode-hit"), coordinator.Scenario("no-hit")]
     cells = [
         coordinator.Cell(
-            layout, model_dirs[layout], p_tp, d_tp, connector, scenarios, prefix_caching=True
+            layout,
+            model_dirs[layout],
+            p_tp,
+            d_tp,
+            connector,
+            scenarios,
+            prefix_caching=True,
+            mamba_cache_mode=mode,
         )
-        for connector, cell_list in (
-            ("NixlHMAConnector", OURS_CELLS),
-            ("NixlConnector", STOCK_CELLS),
+        for connector, mode, cell_list in (
+            ("NixlHMAConnector", None, OURS_CELLS),
+            ("NixlConnector", None, STOCK_CELLS),
+            ("NixlHMAConnector", "all", ALL_MODE_CELLS),
         )
         for layout, p_tp, d_tp in cell_list
     ]
@@ -52,7 +68,8 @@ def results(tmp_path_factory):
     try:
         for cell in cells:
             rows = coordinator.run_cell(pool, cell, progress=lambda line: None)
-            by_cell[(cell.connector, cell.layout, cell.p_tp, cell.d_tp)] = {
+            connector = cell.connector + ("/all" if cell.mamba_cache_mode == "all" else "")
+            by_cell[(connector, cell.layout, cell.p_tp, cell.d_tp)] = {
                 row.name: row for row in rows
             }
     finally:
@@ -80,6 +97,19 @@ def test_hybrid_cells_really_have_unequal_ratios(results):
         if layout != "dense" and layout != "swa":
             row = results[("NixlHMAConnector", layout, p_tp, d_tp)]["decode-hit"]
             assert row.local_ratio != row.remote_ratio, (layout, p_tp, d_tp)
+
+
+@pytest.mark.parametrize(("layout", "p_tp", "d_tp"), ALL_MODE_CELLS)
+def test_mamba_cache_mode_all_reads_the_running_state_and_the_uncached_tail(
+    results, layout, p_tp, d_tp
+):
+    rows = results[("NixlHMAConnector/all", layout, p_tp, d_tp)]
+    for row in rows.values():
+        assert row.error is None, (row.name, row.error)
+        assert row.slots_checked > 100_000, row.name
+        assert row.mismatched_slots == 0, (row.name, row.examples)
+        assert row.local_ratio != row.remote_ratio
+    assert 0 < rows["decode-hit"].bytes < rows["no-hit"].bytes
 
 
 def test_stock_0_21_0_misreads_or_asserts_on_the_same_decode_hits(results):

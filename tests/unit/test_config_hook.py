@@ -97,9 +97,30 @@ def test_opt_in_turns_prefix_caching_on():
     assert config.cache_config.mamba_cache_mode == "align"
 
 
-def test_opt_in_refuses_mamba_cache_mode_all_naming_it():
-    with pytest.raises(ValueError, match="--mamba-cache-mode all"):
-        build_config(HYBRID, "NixlHMAConnector", extra_config=OPT_IN, mamba_cache_mode="all")
+@pytest.mark.parametrize("chunked_prefill", [True, False])
+def test_opt_in_keeps_an_explicit_mamba_cache_mode_all_where_vllm_supports_it(chunked_prefill):
+    """Bamba: vLLM 0.21.0 caches its state at every block boundary in 'all',
+    which needs no chunked prefill (only 'align' does)."""
+    config = build_config(
+        HYBRID,
+        "NixlHMAConnector",
+        extra_config=OPT_IN,
+        mamba_cache_mode="all",
+        enable_chunked_prefill=chunked_prefill,
+    )
+    assert config.cache_config.enable_prefix_caching is True
+    assert config.cache_config.mamba_cache_mode == "all"
+
+
+def test_mamba_cache_mode_all_is_refused_for_a_model_vllm_cannot_cache_that_way():
+    """Qwen3-Next: vLLM 0.21.0 has no 'all' for it (it would fall back to
+    'align' by itself); the hook says so at startup."""
+    qwen3_next = FIXTURES / "architectures" / "qwen3_next"
+    assert not ModelConfig(
+        model=str(qwen3_next), skip_tokenizer_init=True
+    ).supports_mamba_prefix_caching
+    with pytest.raises(ValueError, match="--mamba-cache-mode all.*cannot cache"):
+        build_config(qwen3_next, "NixlHMAConnector", mamba_cache_mode="all")
 
 
 def test_opt_in_refuses_chunked_prefill_off_naming_it():

@@ -136,6 +136,9 @@ class Cell:
     # with prefix_caching: kv_connector_extra_config mamba_prefix_caching (False:
     # decode keeps the count rules, and refuses unequal ratios with prefix caching)
     pair_by_position: bool = True
+    # with prefix_caching: --mamba-cache-mode of both engines (None: not given,
+    # the config hook picks 'align'; 'all': vLLM 0.21.0 only)
+    mamba_cache_mode: str | None = None
     # both engines run with the hybrid KV cache manager (False: one KV cache
     # group, as vLLM 0.21.0 runs a dense or sliding-window model with a connector)
     hma: bool = True
@@ -455,6 +458,7 @@ def run_cell(
                     "device": cell.device,
                     "enable_prefix_caching": cell.prefix_caching,
                     "mamba_prefix_caching": cell.pair_by_position if cell.prefix_caching else None,
+                    "mamba_cache_mode": cell.mamba_cache_mode if cell.prefix_caching else None,
                     "block_size": block_size,
                     "hma": cell.hma,
                     "side_channel_host": host,
@@ -508,16 +512,31 @@ def run_cell(
 
 
 def _as_sent(
-    blocks: SideBlocks, num_tokens: int, info: dict[str, Any], prefix_caching: bool
+    blocks: SideBlocks,
+    num_tokens: int,
+    info: dict[str, Any],
+    prefix_caching: bool,
+    mamba_cache_mode: str | None = None,
 ) -> list[list[int]]:
-    """Prefill's block lists as its scheduler sends them: with prefix caching
-    (Mamba cache mode 'align') a Mamba group holds one block per logical
-    block, vLLM's null block (0) but for the last, the running state."""
+    """Prefill's block lists as its scheduler sends them. With prefix caching
+    a Mamba group holds one block per logical block, the last holding the
+    running state. In Mamba cache mode 'align' the others are vLLM's null
+    block (0). In 'all' the blocks of the prompt's last chunk hold the states
+    at its block boundaries (vLLM 0.21.0 nulls a request's blocks before its
+    running state only at its next step, and a finished prefill has none):
+    here real pages of the same request holding other data, which decode
+    must not read."""
     from vllm_nixl_hma import _compat
 
     if not prefix_caching or _compat.adapter() != "v021":  # 0.33 sends the state block only
         return blocks.logical_ids_by_group
-    padding = [0] * (math.ceil(num_tokens / info["logical_block_tokens"]) - 1)
+    count = math.ceil(num_tokens / info["logical_block_tokens"]) - 1
+    padding = [0] * count
+    if mamba_cache_mode == "all":
+        attention = info["group_kinds"].index(
+            next(kind for kind in info["group_kinds"] if kind != "mamba")
+        )
+        padding = list(blocks.logical_ids_by_group[attention][:count])
     return [
         padding + ids if kind == "mamba" else ids
         for ids, kind in zip(blocks.logical_ids_by_group, info["group_kinds"], strict=True)
@@ -596,7 +615,9 @@ def _run_scenario(
             # as NixlHMAConnector.build_connector_meta hands it to its workers
             "token_span": (hit, n),
             "kv_transfer_params": {
-                "remote_block_ids": _as_sent(p, n, p_info, cell.prefix_caching),
+                "remote_block_ids": _as_sent(
+                    p, n, p_info, cell.prefix_caching, cell.mamba_cache_mode
+                ),
                 "remote_engine_id": f"prefill-{side_channel_port}",
                 "remote_request_id": rid,
                 "remote_host": cell.prefill_host,

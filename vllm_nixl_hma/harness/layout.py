@@ -126,6 +126,7 @@ def build_vllm_config(
     block_size: int | None = None,
     hma: bool = True,
     mamba_prefix_caching: bool | None = None,
+    mamba_cache_mode: str | None = None,
 ) -> VllmConfig:
     """A ``VllmConfig`` for one engine of TP ``tp_size``, with the block sizes a GPU worker sets.
 
@@ -164,6 +165,8 @@ def build_vllm_config(
         cache_config=CacheConfig(
             num_gpu_blocks_override=num_gpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            # None: vLLM's (and the config hook's) choice; "all", "align": --mamba-cache-mode
+            **({"mamba_cache_mode": mamba_cache_mode} if mamba_cache_mode is not None else {}),
             # None: the backend's choice; a number: --block-size
             **({"block_size": block_size} if block_size is not None else {}),
         ),

@@ -50,6 +50,7 @@ class EngineSpec:
     enable_prefix_caching: bool = False
     #: kv_connector_extra_config mamba_prefix_caching (None: unset)
     mamba_prefix_caching: bool | None = None
+    mamba_cache_mode: str | None = None  # --mamba-cache-mode (None: not given)
     block_size: int | None = None  # --block-size
     hma: bool = True  # False: --disable-hybrid-kv-cache-manager
     #: the address its side channel listens on and prefill advertises
@@ -82,6 +83,7 @@ class RankEngine:
             block_size=spec.block_size,
             hma=spec.hma,
             mamba_prefix_caching=spec.mamba_prefix_caching,
+            mamba_cache_mode=spec.mamba_cache_mode,
         )
         if spec.device == "cuda":
             import torch

@@ -16,10 +16,15 @@ What it does for a Mamba hybrid (attention + Mamba/SSM layers):
   blocks by token position (``core/positions.py``, docs/design.md section 7),
   where vLLM's tail rule reads the wrong tokens after a decode-side hit at
   unequal kernel-per-logical ratios. The Mamba cache mode is then ``align``
-  (vLLM would pick ``all``, which keeps a state at every block boundary;
-  decode receives only prefill's last state, and would cache boundary blocks
-  holding none). An explicit ``--mamba-cache-mode all``, or chunked prefill
-  off (which ``align`` needs), stops startup naming the reason;
+  unless the operator gave ``--mamba-cache-mode all`` (vLLM's own default
+  for models that support ``all`` is ``all``; ``align`` is what vLLM 0.33
+  keeps and what the real-engine tests run). In either mode vLLM 0.21.0
+  replaces a request's Mamba blocks before its running state with its null
+  block once they are computed, so a request whose KV arrived holds one
+  state block, the one prefill's running state is read into
+  (docs/design.md section 7). ``--mamba-cache-mode all`` for a model vLLM
+  cannot cache that way, or chunked prefill off in ``align`` (which needs
+  it), stops startup naming the reason;
 * turns prefix caching off, with one warning line, when it is on and
   ``mamba_prefix_caching`` is ``false``;
 * turns HMA on when the user expressed no preference and the platform
@@ -131,20 +136,31 @@ def apply(vllm_config: VllmConfig) -> None:
 
 
 def _keep_prefix_caching(vllm_config: VllmConfig, architecture: str) -> None:
-    """The ``mamba_prefix_caching`` opt-in: Mamba cache mode ``align``."""
+    """The ``mamba_prefix_caching`` opt-in: Mamba cache mode ``align``, or
+    ``all`` when the operator gave it and vLLM caches this model's state that
+    way."""
     cache_config = vllm_config.cache_config
     if cache_config.mamba_cache_mode == "all":
-        raise ConfigHookError(
-            f"NixlHMAConnector keeps prefix caching for Mamba hybrid {architecture} in "
-            "Mamba cache mode 'align' only, but --mamba-cache-mode all was given: in "
-            "'all' decode keeps a state at every block boundary, and it receives only "
-            "prefill's last one. Remove --mamba-cache-mode or pass align."
+        if not vllm_config.model_config.supports_mamba_prefix_caching:
+            raise ConfigHookError(
+                f"NixlHMAConnector keeps prefix caching for Mamba hybrid {architecture}, "
+                "but --mamba-cache-mode all was given and vLLM 0.21.0 cannot cache this "
+                "model's Mamba state at every block boundary (it would fall back to "
+                "'align' on its own). Remove --mamba-cache-mode or pass align."
+            )
+        cache_config.enable_prefix_caching = True
+        logger.info(
+            "NixlHMAConnector: prefix caching kept for Mamba hybrid %s, Mamba cache "
+            "mode 'all' (as given); block lists are paired by token position.",
+            architecture,
         )
+        return
     if not vllm_config.scheduler_config.enable_chunked_prefill:
         raise ConfigHookError(
             f"NixlHMAConnector keeps prefix caching for Mamba hybrid {architecture} in "
             "Mamba cache mode 'align', which needs chunked prefill, but it is off: "
-            "remove --no-enable-chunked-prefill, or drop mamba_prefix_caching."
+            "remove --no-enable-chunked-prefill, pass --mamba-cache-mode all (where "
+            "vLLM supports it for this model), or drop mamba_prefix_caching."
         )
     cache_config.enable_prefix_caching = True
     cache_config.mamba_cache_mode = "align"

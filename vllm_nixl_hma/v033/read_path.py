@@ -1,5 +1,6 @@
-"""The 0.33.0 worker's read path: block lists paired across unequal
-kernel-per-logical ratios, and lists that cannot be paired failing their
+"""The 0.33.0 worker's read path: block lists paired by token position after
+a decode-side prefix-cache hit, or across unequal kernel-per-logical ratios
+of models without Mamba state, and lists that cannot be paired failing their
 request alone (``ReadPath``, a part of ``NixlHMAConnectorWorker``; the ledger
 in ``worker.py`` says why each method departs from upstream).
 """

@@ -4,10 +4,11 @@ Ledger of departures from vLLM 0.33.0's ``NixlPullConnectorWorker`` (each
 override's docstring says what upstream does, why we depart, and when to
 remove it). The class is composed of one mixin per concern, before
 upstream's class in its bases: ``peer.PeerChecks`` (``_nixl_handshake``,
-``add_remote_agent``, ``_build_mamba_remote``), ``read_path.ReadPath`` (``_apply_prefix_caching``,
-``_read_blocks``), ``lease_checks.LeaseChecks`` (the lease),
-``ticket_checks.TicketChecks`` (requests refused for their ticket); this
-module keeps the constructor:
+``add_remote_agent``, ``_validate_remote_agent_handshake``,
+``_build_mamba_remote``), ``read_path.ReadPath`` (``start_load_kv``,
+``_apply_prefix_caching``, ``_read_blocks``), ``lease_checks.LeaseChecks``
+(the lease), ``ticket_checks.TicketChecks`` (requests refused for their
+ticket); this module keeps the constructor:
 
 * ``__init__``: builds this rank's ``StateSplit`` (``state_split``) beside
   upstream's ``MambaConvSplitInfo`` and refuses to start when the two
@@ -24,16 +25,26 @@ module keeps the constructor:
 * ``add_remote_agent``: refuses a prefill rank decode cannot read before
   anything of it is registered or loaded (``handshake.refuse_before_loading``:
   layout, regions, Mamba state sizes, unequal kernel-per-logical ratios with
-  prefix caching or sliding-window groups; each error names the field, the
+  sliding-window groups, or with prefix caching where the worker does not
+  pair by position; each error names the field, the
   local and the remote value). Upstream loads the agent first and then
   checks, with asserts, and never compares state sizes or refuses a
   sliding-window group. Also records which prefill rank is being added, which
   upstream does not pass on to ``_build_mamba_remote``.
-* ``_apply_prefix_caching``: a model without Mamba state read across unequal
-  ratios (engines started with different ``--block-size``) pairs leading
-  kernel blocks (``blocks.align_kernel_ids_by_group``); upstream pairs the
-  decode list with prefill's tail, which shifts every block by the rounding
-  surplus. Mamba hybrids keep upstream's rule (0.33 pairs them right).
+* ``_apply_prefix_caching``: with a token span (decode's scheduler side
+  hands one per request when the worker pairs by position: a Mamba hybrid
+  with prefix caching, or ``mamba_prefix_caching`` true), blocks pair by
+  token position (``positions``); upstream pairs a decode-side hit across
+  unequal ratios from the tail, which mispairs or asserts. Without a span,
+  a model without Mamba state read across unequal ratios (engines started
+  with different ``--block-size``) pairs leading kernel blocks
+  (``blocks.align_kernel_ids_by_group``); upstream pairs the decode list
+  with prefill's tail, which shifts every block by the rounding surplus.
+  ``start_load_kv`` notes the spans, kept while upstream keeps the receive.
+* ``_validate_remote_agent_handshake``: when pairing by position (DCP 1),
+  upstream's checks run on a copy of prefill's metadata carrying decode's
+  kernel-per-logical ratio; upstream refuses a Mamba hybrid with prefix
+  caching across unequal ratios there, after the agent was loaded.
 * ``_read_blocks``: block lists that cannot be paired fail that one request
   (reported in ``failed_recving``) instead of raising out of
   ``start_load_kv``: upstream's pairing asserts run before its ``try``.

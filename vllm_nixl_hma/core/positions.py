@@ -189,8 +189,9 @@ def _pair_mamba(
             f"decode Mamba state block count of group {group_index}",
             len(local),
             len(remote),
-            "decode receives one state into one block; more (Mamba cache mode "
-            "'all') would keep states at block boundaries nothing sent",
+            "decode receives one state into one block (vLLM 0.21.0 and 0.33 hand a "
+            "request whose KV arrives one real Mamba block in every cache mode); more "
+            "would hold states at block boundaries nothing sent",
         )
     per_block = _cdiv(span.prefill_tokens, remote_logical_block_tokens)
     if len(remote) not in (1, per_block):

@@ -26,8 +26,9 @@ CONNECTORS = ("NixlHMAConnector", "NixlConnector")
 DEFAULT_TP_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
 DEFAULT_LAYOUTS = ("dense", "swa", "hybrid", "hybrid-1group", "gdn")
 SCENARIOS = ("mid-block", "boundary")
-#: with --prefix-caching: decode's own prefix-cache hits of several lengths
-PREFIX_CACHING_SCENARIOS = ("decode-hit",)
+#: with --prefix-caching: decode's own prefix-cache hits of several lengths, and
+#: prefill's (requests sharing a prefix's blocks on prefill, read whole by decode)
+PREFIX_CACHING_SCENARIOS = ("decode-hit", "prefill-hit")
 
 
 class ExitCode(enum.IntEnum):
@@ -101,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-caching",
         action="store_true",
         help="both engines keep prefix caching (kv_connector_extra_config "
-        "mamba_prefix_caching), and each cell also runs the decode-hit scenario: "
-        "decode already holds a prefix and reads only the rest",
+        "mamba_prefix_caching), and each cell also runs the decode-hit scenario "
+        "(decode already holds a prefix and reads only the rest) and the prefill-hit "
+        "one (requests share a prefix's blocks on prefill; decode reads them whole)",
     )
     check.add_argument(
         "--mamba-cache-mode",

@@ -4,7 +4,11 @@ NIXL, with both engines keeping prefix caching (``mamba_prefix_caching``).
 
 Hits end inside a prefill logical block, on a block boundary of both sides,
 and one decode block before the end (``Scenario.decode_hits``); "no-hit"
-reads the same prompts whole. Stock vLLM 0.21.0 pairs the hybrid's lists
+reads the same prompts whole. "prefill-hit" is the other side's hit
+(``Scenario.prefill_hits``): two requests begin with the first logical
+blocks of a third on prefill (the same block ids, as prefill's prefix cache
+hands them), decode holds nothing, and every slot must be what it would be
+without the hit. Stock vLLM 0.21.0 pairs the hybrid's lists
 from the tail: it reads other tokens' KV into decode's blocks, or asserts.
 
 Both Mamba cache modes vLLM 0.21.0 offers the hybrid (Bamba) with prefix
@@ -44,7 +48,11 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     names = {layout for layout, _, _ in OURS_CELLS + STOCK_CELLS}
     model_dirs = {name: coordinator.model_dir_for(LAYOUTS[name], root) for name in names}
-    scenarios = [coordinator.Scenario("decode-hit"), coordinator.Scenario("no-hit")]
+    scenarios = [
+        coordinator.Scenario("decode-hit"),
+        coordinator.Scenario("no-hit"),
+        coordinator.Scenario("prefill-hit"),
+    ]
     cells = [
         coordinator.Cell(
             layout,
@@ -84,6 +92,16 @@ def test_ours_reads_every_uncached_slot_right_after_a_decode_hit(results, layout
         assert row.slots_checked > 100_000, row.name
         assert row.mismatched_slots == 0, (row.name, row.examples)
         assert row.requests == 3
+
+
+@pytest.mark.parametrize(("layout", "p_tp", "d_tp"), OURS_CELLS)
+def test_a_prefill_hit_changes_nothing_decode_reads(results, layout, p_tp, d_tp):
+    """Item 2 of #26: the shared blocks are read where they lie on prefill,
+    into decode's own blocks at the same token positions."""
+    row = results[("NixlHMAConnector", layout, p_tp, d_tp)]["prefill-hit"]
+    assert row.error is None and row.requests == 3
+    assert row.slots_checked > 100_000
+    assert row.mismatched_slots == 0, row.examples
 
 
 @pytest.mark.parametrize(("layout", "p_tp", "d_tp"), OURS_CELLS)

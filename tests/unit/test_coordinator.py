@@ -7,7 +7,12 @@ import random
 
 import pytest
 
-from vllm_nixl_hma.harness.coordinator import Scenario, ScenarioResult, allocate
+from vllm_nixl_hma.harness.coordinator import (
+    Scenario,
+    ScenarioResult,
+    allocate,
+    share_prefixes,
+)
 
 INFO = {
     "num_logical_blocks": 64,
@@ -58,3 +63,27 @@ def test_free_ports_stay_below_the_ephemeral_range_and_do_not_repeat():
     ports = [free_port(random.Random(seed)) for seed in range(50)]
     assert all(1024 <= port < low for port in ports)
     assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(80, 48), (48, 80), (144, 144)])
+def test_prefill_hits_share_whole_logical_blocks_of_the_first_request(prefill, decode):
+    hits = Scenario("prefill-hit").prefill_hits(prefill, decode)
+    owner_tokens = hits[0][0]
+    assert hits[0][1] == 0
+    for prompt, shared in hits[1:]:
+        assert 0 < shared < prompt and shared < owner_tokens and shared % prefill == 0
+    assert Scenario("prefill-hit").prompt_tokens(prefill, decode) == [p for p, _ in hits]
+    assert all(shared == 0 for _, shared in Scenario("mid-block").prefill_hits(prefill, decode))
+
+
+def test_shared_prefixes_get_the_owners_full_attention_blocks_only():
+    info = {**INFO, "logical_block_tokens": 16}
+    blocks = share_prefixes(allocate(info, [80, 70, 40], random.Random(0)), info, [0, 32, 16])
+    owner, two, one = (b.logical_ids_by_group for b in blocks)
+    assert two[1][:2] == owner[1][:2] and two[1][2] not in owner[1]
+    assert one[1][:1] == owner[1][:1] and one[1][1] not in owner[1]
+    # Mamba state and sliding-window lists stay each request's own
+    for group in (0, 2):
+        assert not set(two[group]) & set(owner[group]) and not set(one[group]) & set(owner[group])
+    with pytest.raises(ValueError, match="cannot share"):
+        share_prefixes(allocate(info, [80, 70], random.Random(0)), info, [0, 20])

@@ -98,3 +98,23 @@ def test_wrong_transfers_are_caught(wrong):
     )
     assert result.slots_checked > 0
     assert result.mismatched_slots > 0
+
+
+def test_a_prefix_shared_on_prefill_is_the_owners_kv_on_both_sides():
+    """A prefill-side prefix-cache hit (#26): request 1's first logical block
+    is request 0's page 3 on prefill; decode reads it into its own page and
+    must find request 0's codes there, and request 1's own after it."""
+    (p_pages, p_attn, p_mamba), (d_pages, d_attn, d_mamba) = caches()
+    oracle.poison(d_pages)
+    owner = oracle.RequestBlocks(0, 13, [[3, 5], [6]])
+    sharer = oracle.RequestBlocks(1, 13, [[3, 1], [2]], shared_tokens=KERNEL * RATIO)
+    oracle.fill(p_attn, p_mamba, [owner, sharer], RATIO, KERNEL, [[0, 0], [0, 0]])
+    assert sharer.code_request(0) == 0 and sharer.code_request(KERNEL * RATIO) == 1
+    transfer_everything(p_pages, d_pages, [3, 1, 2], [4, 7, 0])
+    decode_sharer = oracle.RequestBlocks(1, 13, [[4, 7], [0]], shared_tokens=KERNEL * RATIO)
+    clean = oracle.verify(d_attn, d_mamba, [decode_sharer], RATIO, KERNEL, [[0, 0]])
+    assert clean.slots_checked > 0 and clean.mismatched_slots == 0
+    # the same bytes judged as if nothing were shared: the first block is wrong
+    unshared = oracle.RequestBlocks(1, 13, [[4, 7], [0]])
+    wrong = oracle.verify(d_attn, d_mamba, [unshared], RATIO, KERNEL, [[0, 0]])
+    assert wrong.mismatched_slots == KERNEL * RATIO * 2 * 2 * 3  # every slot of block 0

@@ -63,7 +63,7 @@ def results(tmp_path_factory):
             2,
             1,
             connector,
-            [Scenario("decode-hit"), Scenario("no-hit")],
+            [Scenario("decode-hit"), Scenario("no-hit"), Scenario("prefill-hit")],
             prefix_caching=True,
         )
     cells[("NixlHMAConnector", "decode-hit", "1->2")] = coordinator.Cell(
@@ -72,7 +72,7 @@ def results(tmp_path_factory):
         1,
         2,
         "NixlHMAConnector",
-        [Scenario("decode-hit"), Scenario("no-hit")],
+        [Scenario("decode-hit"), Scenario("no-hit"), Scenario("prefill-hit")],
         prefix_caching=True,
     )
     cells[("NixlHMAConnector", "prefix-caching", "1->1")] = coordinator.Cell(
@@ -121,10 +121,11 @@ def test_ours_refuses_prefix_caching_across_ratios_before_registering(results):
 def test_ours_reads_only_the_uncached_tail_after_a_decode_hit_across_ratios(results, cell):
     """Prefix caching of the hybrid at unequal ratios, paired by token
     position (``positions``): every slot right, fewer bytes than the same
-    prompts read whole."""
-    hit, whole = results[("NixlHMAConnector", "decode-hit", cell)]
+    prompts read whole; and requests sharing a prefix's blocks on prefill
+    (``prefill-hit``) read whole, every slot right."""
+    hit, whole, prefill_hit = results[("NixlHMAConnector", "decode-hit", cell)]
     assert hit.local_ratio != hit.remote_ratio
-    for row in (hit, whole):
+    for row in (hit, whole, prefill_hit):
         assert row.error is None and row.mismatched_slots == 0, (row.name, row.examples)
         assert row.slots_checked > 100_000
     assert 0 < hit.bytes < whole.bytes

@@ -49,7 +49,8 @@ class Scenario:
     """A batch of concurrent requests; lengths are chosen once both engines'
     logical block sizes are known."""
 
-    name: str  # "mid-block", "boundary", "decode-hit", "no-hit", "long" or "one-long"
+    #: "mid-block", "boundary", "decode-hit", "no-hit", "prefill-hit", "long" or "one-long"
+    name: str
     #: fault injection: decode is sent to a side-channel port nobody listens on
     dead_side_channel: bool = False
     #: fault injection: prefill is killed this long after decode posted its reads
@@ -80,6 +81,10 @@ class Scenario:
         if self.name in ("decode-hit", "no-hit"):
             hits = Scenario("decode-hit").decode_hits(prefill_block_tokens, decode_block_tokens)
             return [prompt for prompt, _ in hits]
+        if self.name == "prefill-hit":
+            return [
+                prompt for prompt, _ in self.prefill_hits(prefill_block_tokens, decode_block_tokens)
+            ]
         if self.name == "boundary":
             both = math.lcm(prefill_block_tokens, decode_block_tokens)
             return [
@@ -88,6 +93,20 @@ class Scenario:
                 both if both <= 4 * larger else larger,
             ]
         raise ValueError(f"unknown scenario {self.name!r}")
+
+    def prefill_hits(
+        self, prefill_block_tokens: int, decode_block_tokens: int
+    ) -> list[tuple[int, int]]:
+        """(prompt tokens, tokens shared with request 0) per request of the
+        "prefill-hit" scenario (#26): requests 1 and 2 begin with request 0's
+        first two and first one prefill logical blocks, which prefill's own
+        prefix cache hands them (the same block ids, holding request 0's KV);
+        decode holds nothing and reads every request whole. Other scenarios
+        share nothing."""
+        if self.name != "prefill-hit":
+            return [(n, 0) for n in self.prompt_tokens(prefill_block_tokens, decode_block_tokens)]
+        p, d = prefill_block_tokens, decode_block_tokens
+        return [(3 * p + 7, 0), (2 * p + d // 2 + 5, 2 * p), (p + 2 * d + 3, p)]
 
     def decode_hits(
         self, prefill_block_tokens: int, decode_block_tokens: int
@@ -399,6 +418,30 @@ def allocate(
     return result
 
 
+def share_prefixes(
+    blocks: list[SideBlocks], info: dict[str, Any], shared_tokens: list[int]
+) -> list[SideBlocks]:
+    """Prefill's prefix-cache hits: a request sharing its first
+    ``shared_tokens`` (whole logical blocks) with request 0 (the owner,
+    ``oracle.RequestBlocks.code_request``) gets the owner's block ids for them
+    in every full-attention group, as vLLM's prefix cache hands a request the
+    cached blocks of its prefix (its own pages for those blocks stay unused).
+    Mamba state and sliding-window lists stay the request's own."""
+    logical_tokens = info["logical_block_tokens"]
+    owner = 0
+    for number, shared in enumerate(shared_tokens):
+        if not shared:
+            continue
+        if number == owner or shared % logical_tokens:
+            raise ValueError(f"request {number} cannot share {shared} tokens with {owner}")
+        count = shared // logical_tokens
+        for group, kind in enumerate(info["group_kinds"]):
+            if kind == "full_attention":
+                ids = blocks[number].logical_ids_by_group[group]
+                ids[:count] = blocks[owner].logical_ids_by_group[group][:count]
+    return blocks
+
+
 def run_cell(
     pool: RankPool, cell: Cell, progress: Callable[[str], None], seed: int = 0
 ) -> list[ScenarioResult]:
@@ -557,7 +600,13 @@ def _run_scenario(
     hits = scenario.decode_hits(p_info["logical_block_tokens"], d_info["logical_block_tokens"])
     prompt_tokens = [prompt for prompt, _ in hits]
     hit_tokens = [hit for _, hit in hits]
-    p_blocks = allocate(p_info, prompt_tokens, rng)
+    shared_tokens = [
+        shared
+        for _, shared in scenario.prefill_hits(
+            p_info["logical_block_tokens"], d_info["logical_block_tokens"]
+        )
+    ]
+    p_blocks = share_prefixes(allocate(p_info, prompt_tokens, rng), p_info, shared_tokens)
     d_blocks = allocate(d_info, prompt_tokens, rng, hit_tokens)
     batch = f"{scenario.name}-{rng.randrange(1 << 30)}"
     request_ids = [f"{batch}-{i}" for i in range(len(prompt_tokens))]
@@ -565,8 +614,16 @@ def _run_scenario(
 
     def oracle_requests(blocks: list[SideBlocks]):
         return [
-            {"request_index": i, "num_tokens": n, "logical_ids_by_group": b.logical_ids_by_group}
-            for i, (n, b) in enumerate(zip(prompt_tokens, blocks, strict=True))
+            {
+                "request_index": i,
+                "num_tokens": n,
+                "logical_ids_by_group": b.logical_ids_by_group,
+                # the KV of a prefix shared on prefill is request 0's, on both sides
+                "shared_tokens": shared,
+            }
+            for i, (n, b, shared) in enumerate(
+                zip(prompt_tokens, blocks, shared_tokens, strict=True)
+            )
         ]
 
     fill_args = {

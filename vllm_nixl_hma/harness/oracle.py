@@ -93,6 +93,13 @@ class RequestBlocks:
     request_index: int
     num_tokens: int
     logical_ids_by_group: list[list[int]]
+    #: its first tokens are request 0's (a prefill-side prefix-cache hit): their
+    #: KV is request 0's, on prefill's shared pages and in decode's own
+    shared_tokens: int = 0
+
+    def code_request(self, position: int) -> int:
+        """Whose KV the token at ``position`` is."""
+        return 0 if position < self.shared_tokens else self.request_index
 
 
 @dataclass
@@ -183,7 +190,7 @@ def fill(
             for kernel_id, index in kernel_blocks_of(logical_ids, physical_per_logical):
                 position = (first_logical * physical_per_logical + index) * kernel_block_tokens
                 slots.kv[kernel_id] = attention_codes(
-                    slots, request.request_index, position, kernel_block_tokens
+                    slots, request.code_request(position), position, kernel_block_tokens
                 )
         for slots in mamba:
             (state_id,) = request.logical_ids_by_group[slots.group_index]
@@ -218,7 +225,7 @@ def verify(
                 if real_tokens <= 0:
                     continue  # rounding surplus: no token of the prompt lives here
                 expected = attention_codes(
-                    slots, request.request_index, position, kernel_block_tokens
+                    slots, request.code_request(position), position, kernel_block_tokens
                 )[:, :, :real_tokens]
                 actual = slots.kv[kernel_id][:, :, :real_tokens]
                 wrong = int(np.count_nonzero(actual != expected))

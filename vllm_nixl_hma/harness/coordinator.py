@@ -60,6 +60,10 @@ class Scenario:
     #: three or more), a list no rounding explains: it must fail alone, the
     #: others arrive intact
     unpairable_first_request: bool = False
+    #: fault injection: the first request's token span (what decode's scheduler
+    #: hands its workers with prefix caching) claims two prefill logical blocks
+    #: more than its lists hold: no pairing by position fits it, it must fail alone
+    bad_span_first_request: bool = False
     #: fault injection: the reads start inside prefill's lease, but decode
     #: first asks what finished after the lease ended (a read that finished
     #: late must not be trusted); the batch before it makes the handshake
@@ -689,6 +693,9 @@ def _run_scenario(
             request_ids, p_blocks, d_blocks, prompt_tokens, hit_tokens, strict=True
         )
     ]
+    if scenario.bad_span_first_request:
+        hit, tokens = load_requests[0]["token_span"]
+        load_requests[0]["token_span"] = (hit, tokens + 2 * p_info["logical_block_tokens"])
     if scenario.unpairable_first_request:
         params = load_requests[0]["kv_transfer_params"]
         attention = p_info["group_kinds"].index(

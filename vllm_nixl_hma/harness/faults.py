@@ -54,6 +54,15 @@ class Fault:
     late_read: bool = False
     #: the first request's attention list is cut to one block: it alone must fail
     unpairable: bool = False
+    #: prefix caching on, lists paired by token position, and decode's scheduler
+    #: hands the first request a token span its lists do not fit: it alone must fail
+    bad_span: bool = False
+
+    @property
+    def first_request_alone(self) -> bool:
+        """The fault breaks the first request of a batch, which alone must fail;
+        a whole batch follows."""
+        return self.unpairable or self.bad_span
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,13 @@ FAULTS = (
         "the first request's attention block list from prefill is cut to one block, which no "
         "rounding explains: that request fails alone, the other two arrive intact",
         unpairable=True,
+    ),
+    Fault(
+        "bad-token-span",
+        "prefix caching on (lists paired by token position) and decode's scheduler side "
+        "hands the first request a token span two prefill blocks longer than its lists: "
+        "that request fails alone, the other two arrive intact",
+        bad_span=True,
     ),
     Fault(
         "lost-notification",
@@ -265,7 +281,7 @@ def _judge(fault: Fault, result: ScenarioResult, kind: ModelKind) -> FaultResult
 
 
 def _expect_failed(fault: Fault, result: ScenarioResult) -> tuple[int, int] | None:
-    if fault.unpairable:  # the cut request alone
+    if fault.first_request_alone:  # the cut request alone
         return (1, 1)
     if fault.kill_prefill_mid_read:
         # a read that finished before the kill landed arrives intact: at least
@@ -288,8 +304,15 @@ def _scenarios(fault: Fault) -> list[Scenario]:
         return [Scenario("mid-block", dead_side_channel=True), Scenario("mid-block")]
     if fault.late_read:  # the first batch makes the handshake
         return [Scenario("mid-block"), Scenario("mid-block", late_read=True)]
-    if fault.unpairable:  # then a batch that must arrive whole
-        return [Scenario("mid-block", unpairable_first_request=True), Scenario("boundary")]
+    if fault.first_request_alone:  # then a batch that must arrive whole
+        return [
+            Scenario(
+                "mid-block",
+                unpairable_first_request=fault.unpairable,
+                bad_span_first_request=fault.bad_span,
+            ),
+            Scenario("boundary"),
+        ]
     return [Scenario("mid-block")]
 
 
@@ -347,10 +370,11 @@ def run_faults(
                 kill_prefill_before_scenario=1 if fault.kill_prefill else None,
                 expire_lease=fault.expire_lease,
                 lose_notifications=fault.lose_notifications,
+                prefix_caching=fault.bad_span,
                 remote_agents_must_be_gone=not (
                     fault.expire_lease
                     or fault.late_read
-                    or fault.unpairable
+                    or fault.first_request_alone
                     or fault.lose_notifications
                     or fault.expect_served
                     or fault.dead_engine_kept
@@ -371,7 +395,7 @@ def run_faults(
                 ):
                     result.error = "the reads finished before prefill was killed"
                     result.requests_failed = 0
-            elif fault.dead_side_channel or fault.unpairable:
+            elif fault.dead_side_channel or fault.first_request_alone:
                 # decode must go on serving the live engine, whole batches too
                 result, after = batches
                 if not after.ok:

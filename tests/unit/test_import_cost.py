@@ -17,6 +17,7 @@ def test_package_plugin_and_pure_modules_import_neither_vllm_nor_torch():
         import sys
         import vllm_nixl_hma, vllm_nixl_hma.plugin
         import vllm_nixl_hma.core.blocks, vllm_nixl_hma.core.errors, vllm_nixl_hma._compat
+        import vllm_nixl_hma.core.positions, vllm_nixl_hma.core.transfer_records
         from vllm_nixl_hma.core.blocks import logical_to_kernel_ids
         assert logical_to_kernel_ids([1], 2).tolist() == [2, 3]
         heavy = sorted(m for m in ("vllm", "torch", "nixl", "nixl_cu12") if m in sys.modules)

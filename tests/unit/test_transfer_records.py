@@ -1,0 +1,159 @@
+"""Per-request transfer records and outcome counts (core/transfer_records.py, #27)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_nixl_hma.core.transfer_records import (
+    REASONS,
+    DecodeRecord,
+    Outcome,
+    OutcomeCounts,
+    PrefillRecord,
+    Reason,
+)
+
+
+def read(request_id: str = "r1", bytes_read: int = 4096, transfer_s: float = 0.002):
+    return DecodeRecord(
+        request_id,
+        Outcome.READ,
+        remote_engine_id="prefill-0",
+        remote_host="10.0.0.2",
+        local_tp_rank=0,
+        remote_tp_ranks=(0, 1),
+        groups=2,
+        kernel_blocks=12,
+        descriptors=40,
+        bytes_read=bytes_read,
+        posted_at_s=1_800_000_000.25,
+        post_s=0.0001,
+        transfer_s=transfer_s,
+    )
+
+
+def test_a_read_is_one_json_line_with_every_field_an_operator_asks_for():
+    line = read().to_json()
+    assert "\n" not in line
+    row = json.loads(line)
+    assert row == {
+        "event": "decode_read",
+        "request_id": "r1",
+        "outcome": "read",
+        "reason": "none",
+        "remote_engine_id": "prefill-0",
+        "remote_host": "10.0.0.2",
+        "local_tp_rank": 0,
+        "remote_tp_ranks": [0, 1],
+        "groups": 2,
+        "kernel_blocks": 12,
+        "descriptors": 40,
+        "bytes_read": 4096,
+        "posted_at_s": 1_800_000_000.25,
+        "post_s": 0.0001,
+        "transfer_s": 0.002,
+        "detail": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("outcome", "reason"),
+    [
+        (Outcome.READ, Reason.LEASE),
+        (Outcome.REFUSED, Reason.NONE),
+        (Outcome.REFUSED, Reason.TRANSFER),  # a transfer that failed was not refused
+        (Outcome.FAILED, Reason.TICKET),
+        (Outcome.EXPIRED, Reason.UNPAIRABLE),
+        (Outcome.RECOMPUTED, Reason.NONE),
+    ],
+)
+def test_an_outcome_takes_only_its_own_reasons(outcome, reason):
+    with pytest.raises(ValueError, match=f"{outcome.value}.*{reason.value}"):
+        DecodeRecord("r", outcome, reason)
+
+
+def test_every_reason_belongs_to_some_outcome_and_recomputes_cover_every_non_read():
+    used = set().union(*REASONS.values())
+    assert used == set(Reason)
+    not_read = REASONS[Outcome.REFUSED] | REASONS[Outcome.FAILED] | REASONS[Outcome.EXPIRED]
+    assert REASONS[Outcome.RECOMPUTED] == not_read
+
+
+def test_a_refusal_read_nothing():
+    DecodeRecord("r", Outcome.REFUSED, Reason.TICKET, detail="ticket expired")
+    with pytest.raises(ValueError, match="refused request read nothing"):
+        DecodeRecord("r", Outcome.REFUSED, Reason.UNPAIRABLE, descriptors=3, bytes_read=96)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"bytes_read": -1},
+        {"descriptors": 1.5},
+        {"groups": True},
+        {"remote_tp_ranks": (0, -1)},
+        {"transfer_s": float("nan")},
+        {"post_s": -0.1},
+    ],
+)
+def test_impossible_numbers_are_refused(bad):
+    with pytest.raises(ValueError):
+        DecodeRecord("r", Outcome.READ, **bad)
+
+
+def test_a_prefill_record_says_who_read_and_how_the_blocks_were_freed():
+    row = json.loads(PrefillRecord("p1", ("agent-a", "agent-b"), 2, "notified", 0.3).to_json())
+    assert row == {
+        "event": "prefill_served",
+        "request_id": "p1",
+        "readers": ["agent-a", "agent-b"],
+        "readers_expected": 2,
+        "freed_by": "notified",
+        "held_s": 0.3,
+    }
+    PrefillRecord("p2", ("agent-a",), 2, "lease", 480.0)  # one reader never came
+    with pytest.raises(ValueError, match="1 of 2 expected readers"):
+        PrefillRecord("p3", ("agent-a",), 2, "notified")
+    with pytest.raises(ValueError, match="freed_by"):
+        PrefillRecord("p4", freed_by="gc")
+
+
+def test_counts_add_up_per_outcome_and_reason_and_merge_as_vllm_sums_ranks():
+    rank0 = OutcomeCounts.of(
+        [
+            read("a", 100, 0.001),
+            read("b", 300, 0.003),
+            DecodeRecord("c", Outcome.REFUSED, Reason.HANDSHAKE),
+            DecodeRecord("d", Outcome.EXPIRED, Reason.LEASE),
+        ]
+    )
+    rank1 = OutcomeCounts.of(
+        [read("a", 100, 0.002), DecodeRecord("c", Outcome.REFUSED, Reason.HANDSHAKE)]
+    )
+    total = OutcomeCounts().merge(rank0).merge(rank1)
+    assert total.by_outcome() == {
+        (Outcome.READ, Reason.NONE): 3,
+        (Outcome.REFUSED, Reason.HANDSHAKE): 2,
+        (Outcome.EXPIRED, Reason.LEASE): 1,
+    }
+    assert sorted(total.bytes_read) == [100, 100, 300]
+    assert sorted(total.transfer_s) == [0.001, 0.002, 0.003]
+    assert OutcomeCounts().is_empty() and not total.is_empty()
+
+
+def test_counts_cross_a_process_boundary_and_malformed_ones_are_refused():
+    counts = OutcomeCounts.of([read(), DecodeRecord("x", Outcome.FAILED, Reason.TRANSFER)])
+    data = json.loads(json.dumps(counts.as_data()))  # numbers, strings and lists only
+    assert OutcomeCounts.from_data(data) == counts
+    assert OutcomeCounts.from_data(None).is_empty()
+    for bad in (
+        {"counts": {"read/lease": 1}},
+        {"counts": {"gone/none": 1}},
+        {"counts": {"read/none": -2}},
+        {"bytes_read": [-5]},
+        {"transfer_s": [float("inf")]},
+    ):
+        with pytest.raises(ValueError):
+            OutcomeCounts.from_data(bad)

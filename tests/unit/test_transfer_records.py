@@ -7,12 +7,19 @@ import json
 import pytest
 
 from vllm_nixl_hma.core.transfer_records import (
+    DECODE_BYTES,
+    DECODE_OUTCOMES,
+    DECODE_TRANSFER_S,
+    PREFILL_FREED,
+    REASON_ATTR,
     REASONS,
     DecodeRecord,
     Outcome,
     OutcomeCounts,
     PrefillRecord,
     Reason,
+    outcome_of,
+    reason_of_handshake_error,
 )
 
 
@@ -129,31 +136,74 @@ def test_counts_add_up_per_outcome_and_reason_and_merge_as_vllm_sums_ranks():
             DecodeRecord("d", Outcome.EXPIRED, Reason.LEASE),
         ]
     )
+    rank0.add_prefill(PrefillRecord("p", ("agent-a",), 1))
     rank1 = OutcomeCounts.of(
         [read("a", 100, 0.002), DecodeRecord("c", Outcome.REFUSED, Reason.HANDSHAKE)]
     )
+    rank1.add_prefill(PrefillRecord("q", (), 1, freed_by="lease"))
     total = OutcomeCounts().merge(rank0).merge(rank1)
     assert total.by_outcome() == {
         (Outcome.READ, Reason.NONE): 3,
         (Outcome.REFUSED, Reason.HANDSHAKE): 2,
         (Outcome.EXPIRED, Reason.LEASE): 1,
     }
+    assert total.counts() == {"read/none": 3, "refused/handshake": 2, "expired/lease": 1}
+    assert total.prefill_counts() == {"notified": 1, "lease": 1}
     assert sorted(total.bytes_read) == [100, 100, 300]
     assert sorted(total.transfer_s) == [0.001, 0.002, 0.003]
     assert OutcomeCounts().is_empty() and not total.is_empty()
+    only_prefill = OutcomeCounts()
+    only_prefill.add_prefill(PrefillRecord("p", ("agent-a",), 1))
+    assert not only_prefill.is_empty()
+
+
+def test_counts_travel_as_lists_that_vllms_list_extending_aggregate_sums():
+    """vLLM's NixlKVConnectorStats.aggregate extends every list of the other
+    side's data into its own: doing that to two ``as_data`` dicts must give
+    the merged counts."""
+    a = OutcomeCounts.of([read("a"), DecodeRecord("b", Outcome.FAILED, Reason.TIMEOUT)])
+    b = OutcomeCounts.of([read("c", 7, 0.5)])
+    data = a.as_data()
+    for key, values in b.as_data().items():
+        assert isinstance(data[key], list)
+        data[key].extend(values)
+    assert OutcomeCounts.from_data(data) == OutcomeCounts().merge(a).merge(b)
 
 
 def test_counts_cross_a_process_boundary_and_malformed_ones_are_refused():
     counts = OutcomeCounts.of([read(), DecodeRecord("x", Outcome.FAILED, Reason.TRANSFER)])
-    data = json.loads(json.dumps(counts.as_data()))  # numbers, strings and lists only
+    data = json.loads(json.dumps(counts.as_data()))  # strings, numbers and lists only
     assert OutcomeCounts.from_data(data) == counts
     assert OutcomeCounts.from_data(None).is_empty()
+    # vLLM's own keys beside ours are not ours to check
+    assert OutcomeCounts.from_data({**data, "transfer_duration": [0.1]}) == counts
     for bad in (
-        {"counts": {"read/lease": 1}},
-        {"counts": {"gone/none": 1}},
-        {"counts": {"read/none": -2}},
-        {"bytes_read": [-5]},
-        {"transfer_s": [float("inf")]},
+        {DECODE_OUTCOMES: ["read/lease"]},
+        {DECODE_OUTCOMES: ["gone/none"]},
+        {DECODE_BYTES: [-5]},
+        {DECODE_BYTES: [True]},
+        {DECODE_TRANSFER_S: [float("inf")]},
+        {PREFILL_FREED: ["gc"]},
     ):
         with pytest.raises(ValueError):
             OutcomeCounts.from_data(bad)
+
+
+@pytest.mark.parametrize("reason", [r for r in Reason if r is not Reason.NONE])
+def test_the_policy_decides_between_the_reasons_own_outcome_and_recomputed(reason):
+    fail = outcome_of(reason, recompute=False)
+    assert fail is not Outcome.RECOMPUTED and reason in REASONS[fail]
+    assert outcome_of(reason, recompute=True) is Outcome.RECOMPUTED
+    with pytest.raises(ValueError):
+        outcome_of(Reason.NONE, recompute=False)
+
+
+def test_a_handshake_error_is_classed_by_its_own_reason_then_by_its_type():
+    from vllm_nixl_hma.core.errors import IncompatibleRemoteError
+
+    refused = IncompatibleRemoteError("block_size", 16, 32, "set the same --block-size")
+    assert reason_of_handshake_error(refused) is Reason.HANDSHAKE
+    setattr(refused, REASON_ATTR, Reason.STOCK_PEER)
+    assert reason_of_handshake_error(refused) is Reason.STOCK_PEER
+    assert reason_of_handshake_error(TimeoutError("no answer")) is Reason.UNREACHABLE
+    assert reason_of_handshake_error(ConnectionRefusedError()) is Reason.UNREACHABLE

@@ -54,7 +54,9 @@ def overrides(ours: type, upstream: type) -> set[str]:
         name
         for cls in own
         for name, value in vars(cls).items()
-        if callable(value) and name != "__init__" and hasattr(upstream, name)
+        if (callable(value) or isinstance(value, classmethod))
+        and name != "__init__"
+        and hasattr(upstream, name)
     }
 
 

@@ -23,7 +23,7 @@ import ipaddress
 import os
 from collections.abc import Iterable
 
-from vllm_nixl_hma.core.handshake import HandshakeError
+from vllm_nixl_hma.core.handshake import AddressRefusedError
 
 __all__ = [
     "SETTING",
@@ -60,9 +60,9 @@ def check_remote_host(remote_host: str, local_host: str) -> None:
     """Refuse ``remote_host`` (from ``kv_transfer_params``) when it can only
     name decode's own machine while decode's own side-channel host
     (``local_host``) is an address on a network, i.e. prefill may be
-    elsewhere. Raises ``HandshakeError`` naming the setting and both values."""
+    elsewhere. Raises ``AddressRefusedError`` naming the setting and both values."""
     if not isinstance(remote_host, str):
-        raise HandshakeError(
+        raise AddressRefusedError(
             "remote_host (kv_transfer_params)",
             "a host name or address",
             remote_host,
@@ -70,7 +70,7 @@ def check_remote_host(remote_host: str, local_host: str) -> None:
         )
     if not is_local_only(remote_host) or is_local_only(local_host):
         return
-    raise HandshakeError(
+    raise AddressRefusedError(
         f"remote_host (prefill's {SETTING})",
         local_host,
         remote_host,
@@ -138,11 +138,11 @@ def _is_remote_address(host: str) -> bool:
 def check_ucx_reaches(value: str | None, remote_host: str, loopback: Iterable[str]) -> None:
     """Refuse a handshake with a prefill engine at ``remote_host``, an address
     of another machine, when ``UCX_NET_DEVICES`` names loopback devices only:
-    UCX has no device that reaches another host. Raises ``HandshakeError``."""
+    UCX has no device that reaches another host. Raises ``AddressRefusedError``."""
     names = ucx_devices(value)
     if not names or not set(names) <= set(loopback) or not _is_remote_address(remote_host):
         return
-    raise HandshakeError(
+    raise AddressRefusedError(
         UCX_SETTING,
         value,
         f"prefill at {remote_host}",

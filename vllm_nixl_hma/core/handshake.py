@@ -43,6 +43,7 @@ import msgspec
 
 from vllm_nixl_hma.core.blocks import GroupKind, check_alignable
 from vllm_nixl_hma.core.errors import IncompatibleRemoteError
+from vllm_nixl_hma.core.transfer_records import Reason
 
 __all__ = [
     "PAYLOAD_FIELD",
@@ -85,6 +86,19 @@ MAX_PAYLOAD_BYTES = 64 << 20
 
 class HandshakeError(IncompatibleRemoteError):
     """A remote engine refused at handshake (a RuntimeError); nothing was read."""
+
+
+class NoAnswerError(HandshakeError):
+    """The remote's side channel did not answer in time: not a refusal of
+    the peer, an unreachable one (its records say ``unreachable``)."""
+
+    record_reason = Reason.UNREACHABLE
+
+
+class AddressRefusedError(HandshakeError):
+    """Decode refused to dial the address it was given (``addresses``)."""
+
+    record_reason = Reason.ADDRESS
 
 
 class MalformedHandshakeError(HandshakeError):

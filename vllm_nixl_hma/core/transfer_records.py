@@ -3,8 +3,8 @@
 Pure: no vLLM, no torch, no NIXL. The glue builds one ``DecodeRecord`` per
 request decode reads (or refuses, or fails) and one ``PrefillRecord`` per
 request prefill served; ``OutcomeCounts`` is what those records add up to
-between two stats reports, in a form vLLM's connector-stats mechanism can
-carry between processes (a dict of numbers and lists of numbers).
+between two stats reports, in the form vLLM's NIXL connector stats carry
+between processes and add up across ranks (a dict of lists).
 
 Outcomes and reasons are closed sets: they become Prometheus label values,
 so a request id, an engine id or an error text never does (bounded
@@ -25,13 +25,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_nixl_hma.core.errors import IncompatibleRemoteError
+
 __all__ = [
+    "DATA_KEYS",
     "REASONS",
     "DecodeRecord",
     "Outcome",
     "OutcomeCounts",
     "PrefillRecord",
     "Reason",
+    "outcome_of",
+    "reason_of_handshake_error",
 ]
 
 
@@ -190,71 +195,134 @@ def _key(outcome: Outcome, reason: Reason) -> str:
     return f"{outcome.value}/{reason.value}"
 
 
+def outcome_of(reason: Reason, *, recompute: bool) -> Outcome:
+    """The outcome of a request decode did not read, from the reason it was
+    not read and vLLM's ``kv_load_failure_policy`` (``recompute``: the
+    scheduler computes the request's prompt itself instead)."""
+    if reason is Reason.NONE:
+        raise ValueError("a request that was not read has a reason")
+    if recompute:
+        return Outcome.RECOMPUTED
+    for outcome in (Outcome.REFUSED, Outcome.FAILED, Outcome.EXPIRED):
+        if reason in REASONS[outcome]:
+            return outcome
+    raise ValueError(f"reason {reason.value!r} belongs to no outcome")  # pragma: no cover
+
+
+#: the attribute an error raised at handshake may carry to name its reason
+REASON_ATTR = "record_reason"
+
+
+def reason_of_handshake_error(error: BaseException) -> Reason:
+    """The reason a handshake that raised ``error`` failed: the error's own
+    ``record_reason`` where it has one (``addresses``' refusals, a stock
+    peer refused, a side channel that did not answer), a refusal naming a
+    field (``IncompatibleRemoteError``) otherwise, and ``unreachable`` for
+    anything else (a socket error, upstream's own timeout)."""
+    named = getattr(error, REASON_ATTR, None)
+    if isinstance(named, Reason):
+        return named
+    if isinstance(error, IncompatibleRemoteError):
+        return Reason.HANDSHAKE
+    return Reason.UNREACHABLE
+
+
+#: ``OutcomeCounts`` as vLLM's connector stats carry it (``as_data``): every
+#: value a list, so that vLLM's ``NixlKVConnectorStats.aggregate`` (which
+#: extends each list by the other's) sums ranks and intervals unchanged
+DECODE_OUTCOMES = "hma_decode_outcomes"
+DECODE_BYTES = "hma_decode_bytes"
+DECODE_TRANSFER_S = "hma_decode_transfer_s"
+PREFILL_FREED = "hma_prefill_freed"
+DATA_KEYS = (DECODE_OUTCOMES, DECODE_BYTES, DECODE_TRANSFER_S, PREFILL_FREED)
+FREED_BY = ("notified", "lease")
+
+
 @dataclass
 class OutcomeCounts:
-    """Requests per (outcome, reason), and the bytes and transfer seconds of
-    each request read, since the last report. ``data`` holds only strings,
-    numbers and lists of numbers (what vLLM sends between processes)."""
+    """What the records of one interval add up to: one ``"outcome/reason"``
+    per decode record, the bytes and transfer seconds of each request read,
+    and how prefill freed each request it served (``"notified"`` or
+    ``"lease"``). Lists, not counts: vLLM's NIXL stats aggregate by
+    extending lists, and these travel inside them (``as_data``)."""
 
-    counts: dict[str, int] = field(default_factory=dict)
+    outcomes: list[str] = field(default_factory=list)
     bytes_read: list[int] = field(default_factory=list)
     transfer_s: list[float] = field(default_factory=list)
+    prefill_freed: list[str] = field(default_factory=list)
 
     def add(self, record: DecodeRecord) -> None:
-        key = _key(record.outcome, record.reason)
-        self.counts[key] = self.counts.get(key, 0) + 1
+        self.outcomes.append(_key(record.outcome, record.reason))
         if record.outcome is Outcome.READ:
             self.bytes_read.append(record.bytes_read)
             if record.transfer_s is not None:
                 self.transfer_s.append(record.transfer_s)
 
+    def add_prefill(self, record: PrefillRecord) -> None:
+        self.prefill_freed.append(record.freed_by)
+
     def merge(self, other: OutcomeCounts) -> OutcomeCounts:
         """Add ``other`` into this one (vLLM sums the ranks of an engine)."""
-        for key, count in other.counts.items():
-            self.counts[key] = self.counts.get(key, 0) + count
+        self.outcomes.extend(other.outcomes)
         self.bytes_read.extend(other.bytes_read)
         self.transfer_s.extend(other.transfer_s)
+        self.prefill_freed.extend(other.prefill_freed)
         return self
 
     def is_empty(self) -> bool:
-        return not self.counts
+        return not (self.outcomes or self.prefill_freed)
+
+    def counts(self) -> dict[str, int]:
+        """``{"outcome/reason": requests}``"""
+        counts: dict[str, int] = {}
+        for key in self.outcomes:
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def prefill_counts(self) -> dict[str, int]:
+        return {freed_by: self.prefill_freed.count(freed_by) for freed_by in FREED_BY}
 
     def by_outcome(self) -> dict[tuple[Outcome, Reason], int]:
         return {
             (Outcome(outcome), Reason(reason)): count
             for outcome, reason, count in (
-                (*key.split("/", 1), count) for key, count in self.counts.items()
+                (*key.split("/", 1), count) for key, count in self.counts().items()
             )
         }
 
-    def as_data(self) -> dict[str, Any]:
+    def as_data(self) -> dict[str, list]:
         return {
-            "counts": dict(self.counts),
-            "bytes_read": list(self.bytes_read),
-            "transfer_s": list(self.transfer_s),
+            DECODE_OUTCOMES: list(self.outcomes),
+            DECODE_BYTES: list(self.bytes_read),
+            DECODE_TRANSFER_S: list(self.transfer_s),
+            PREFILL_FREED: list(self.prefill_freed),
         }
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any] | None) -> OutcomeCounts:
-        """The counts another process sent (``as_data``); every key and value
-        is checked, since a malformed report must not become a metric."""
+        """The counts another process sent (``as_data``, possibly inside
+        vLLM's stats dict, whose other keys are ignored); every value is
+        checked, since a malformed report must not become a metric."""
         if not data:
             return cls()
-        counts = dict(data.get("counts", {}))
-        for key, count in counts.items():
-            outcome, _, reason = str(key).partition("/")
+        outcomes = [str(key) for key in data.get(DECODE_OUTCOMES) or []]
+        for key in outcomes:
+            outcome, _, reason = key.partition("/")
             try:
                 _check_outcome(Outcome(outcome), Reason(reason))
             except ValueError as e:
-                raise ValueError(f"unknown outcome count {key!r}: {e}") from None
-            _check_count(f"count of {key}", count)
-        bytes_read = list(data.get("bytes_read", []))
+                raise ValueError(f"unknown outcome {key!r}: {e}") from None
+        bytes_read = list(data.get(DECODE_BYTES) or [])
         for value in bytes_read:
             _check_count("bytes_read", value)
-        transfer_s = [float(v) for v in data.get("transfer_s", [])]
+        transfer_s = [float(v) for v in data.get(DECODE_TRANSFER_S) or []]
         for value in transfer_s:
             _check_seconds("transfer_s", value)
-        return cls(counts, bytes_read, transfer_s)
+        prefill_freed = [str(v) for v in data.get(PREFILL_FREED) or []]
+        for value in prefill_freed:
+            if value not in FREED_BY:
+                raise ValueError(f"unknown way prefill freed a request: {value!r}")
+        return cls(outcomes, bytes_read, transfer_s, prefill_freed)
 
     @classmethod
     def of(cls, records: Iterable[DecodeRecord]) -> OutcomeCounts:

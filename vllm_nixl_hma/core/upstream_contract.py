@@ -74,6 +74,7 @@ V021 = Contract(
     # methods of NixlConnectorWorker that our worker overrides
     worker_overrides=(
         "_build_mamba_remote",
+        "_get_new_notifs",
         "_handle_failed_transfer",
         "_logical_to_remote_kernel_block_ids",
         "_nixl_handshake",
@@ -98,6 +99,7 @@ V021 = Contract(
         "_handshake_lock",
         "_has_mamba",
         "_invalid_block_ids",
+        "xfer_stats",  # replaced by ours (transfer_stats)
         "_is_hma_required",
         "_layer_specs",
         "_physical_blocks_per_logical_kv_block",
@@ -137,6 +139,8 @@ V021 = Contract(
     # methods of NixlConnector our connector overrides
     connector_overrides=(
         "build_connector_meta",
+        "build_kv_connector_stats",
+        "build_prom_metrics",
         "request_finished",
         "request_finished_all_groups",
         "update_state_after_alloc",
@@ -157,6 +161,7 @@ V033 = Contract(
     worker_overrides=(
         "_apply_prefix_caching",
         "_build_mamba_remote",
+        "_get_new_notifs",
         "_nixl_handshake",
         "_pop_done_transfers",
         "_read_blocks",
@@ -164,6 +169,7 @@ V033 = Contract(
         "_send_heartbeats",
         "_validate_remote_agent_handshake",
         "add_remote_agent",
+        "get_transfer_results",
         "start_load_kv",
     ),
     worker_calls=("_handle_failed_transfer", "_log_failure", "_pack_strided_descs"),
@@ -199,6 +205,8 @@ V033 = Contract(
     worker_registered_state=(),
     connector_overrides=(
         "build_connector_meta",
+        "build_kv_connector_stats",
+        "build_prom_metrics",
         "on_new_request",
         "request_finished",
         "request_finished_all_groups",

@@ -33,6 +33,10 @@ from vllm_nixl_hma.core import (  # noqa: E402
     tickets,
     upstream_contract,
 )
+from vllm_nixl_hma.transfer_stats import (  # noqa: E402
+    NixlHMAKVConnectorStats,
+    NixlHMAPromMetrics,
+)
 from vllm_nixl_hma.v021.lease_checks import LEASE_DEADLINES_ATTR  # noqa: E402
 from vllm_nixl_hma.v021.listener import NixlHMAConnectorScheduler  # noqa: E402
 from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker  # noqa: E402
@@ -112,6 +116,25 @@ class NixlHMAConnector(NixlConnector):
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_cls(vllm_config, self.engine_id, kv_cache_config)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        """vLLM's ``build_kv_connector_stats``, building our stats class: it
+        carries the plugin's per-request counts beside vLLM's own
+        (``transfer_stats``). Remove when: never (ours)."""
+        return NixlHMAKVConnectorStats(data=data) if data is not None else NixlHMAKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        """vLLM's ``build_prom_metrics``: vLLM's NIXL metrics plus ours
+        (``transfer_stats``; README, "Metrics"). Remove when: never (ours)."""
+        return NixlHMAPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished_all_groups(
         self,

@@ -16,8 +16,12 @@ require_adapter("v021", "vllm_nixl_hma.v021.lease_checks")
 from vllm.logger import init_logger  # noqa: E402
 
 from vllm_nixl_hma.core import lease  # noqa: E402
+from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["LEASE_DEADLINES_ATTR", "LeaseChecks"]
+
+#: why ``lease.abandon_read`` gave a read up, as a record's reason
+_ABANDONED = {"lease": Reason.LATE_READ, "timeout": Reason.TIMEOUT}
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -87,6 +91,7 @@ class LeaseChecks:
             deadline, time.time(), self._lease_margin_s, meta.local_block_ids
         ):
             logger.error(lease.READ_REFUSED, req_id)
+            self._note_not_read(req_id, Reason.LEASE, "prefill's lease ends within the margin")
             self._failed_recv_reqs.add(req_id)
             return
         super()._read_blocks_for_req(req_id, meta)
@@ -119,6 +124,7 @@ class LeaseChecks:
             deadline = self._lease_deadlines.pop(request_id, None)
             if deadline is not None and lease.untrusted_read(deadline, now, self._lease_margin_s):
                 logger.error(lease.READ_FINISHED_LATE, request_id)
+                self._note_not_read(request_id, Reason.LATE_READ, "finished past the lease")
                 self._report_invalid_blocks_of(request_id)
         return done_request_ids | abandoned
 
@@ -138,6 +144,7 @@ class LeaseChecks:
             if reason is None:
                 continue
             logger.error(lease.READ_ABANDONED, request_id, in_flight_s or 0.0, reason)
+            self._note_not_read(request_id, _ABANDONED[reason], f"in flight: {reason}")
             retained = []
             for handle in handles:
                 try:

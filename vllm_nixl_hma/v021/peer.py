@@ -40,6 +40,7 @@ from vllm_nixl_hma.core import (  # noqa: E402
     blocks,
     handshake,
     side_channel,
+    transfer_records,
     upstream_contract,
 )
 from vllm_nixl_hma.core.remote_rank import RemoteRankBeingAdded  # noqa: E402
@@ -244,53 +245,54 @@ class PeerChecks(RemoteRankBeingAdded):
         from vllm import envs
         from vllm.utils.network_utils import make_zmq_path
 
-        addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
-        if not self.use_host_buffer:
-            # the background thread needs a device context (see upstream)
-            upstream_worker_module.current_platform.set_device(self.device_id)
-        if self.transfer_topo is None:
-            raise RuntimeError("_nixl_handshake called before register_kv_caches")
-        remote_ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size)
-        path = make_zmq_path("tcp", host, port)
-        agent_names: dict[int, str] = {}
-        for remote_rank in remote_ranks:
-            started = time.perf_counter()
-            payload_bytes = side_channel.ask(
-                path,
-                msgspec.msgpack.encode((GET_META_MSG, remote_rank)),
-                self._side_channel_timeout_s,
-                on_retry=lambda attempt, waited_s, rank=remote_rank: logger.warning(
-                    "NixlHMAConnector: no answer from %s for rank %s within %.1f s "
-                    "(attempt %d); asking again on a new socket",
+        with self._noting_handshake_failure(host, port):
+            addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+            if not self.use_host_buffer:
+                # the background thread needs a device context (see upstream)
+                upstream_worker_module.current_platform.set_device(self.device_id)
+            if self.transfer_topo is None:
+                raise RuntimeError("_nixl_handshake called before register_kv_caches")
+            remote_ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size)
+            path = make_zmq_path("tcp", host, port)
+            agent_names: dict[int, str] = {}
+            for remote_rank in remote_ranks:
+                started = time.perf_counter()
+                payload_bytes = side_channel.ask(
                     path,
-                    rank,
-                    waited_s,
-                    attempt + 1,
-                ),
-                # upstream's own socket helper, looked up at call time as upstream does
-                open_socket=lambda p: upstream_worker_module.zmq_ctx(zmq.REQ, p),
-            )
-            if payload_bytes is None:
-                raise handshake.HandshakeError(
-                    "side channel",
-                    f"an answer within {self._side_channel_timeout_s:g} s",
-                    f"no answer from {path} for rank {remote_rank}",
-                    "check that the prefill engine is up and "
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST/PORT point at it",
+                    msgspec.msgpack.encode((GET_META_MSG, remote_rank)),
+                    self._side_channel_timeout_s,
+                    on_retry=lambda attempt, waited_s, rank=remote_rank: logger.warning(
+                        "NixlHMAConnector: no answer from %s for rank %s within %.1f s "
+                        "(attempt %d); asking again on a new socket",
+                        path,
+                        rank,
+                        waited_s,
+                        attempt + 1,
+                    ),
+                    # upstream's own socket helper, looked up at call time as upstream does
+                    open_socket=lambda p: upstream_worker_module.zmq_ctx(zmq.REQ, p),
                 )
-            agent_meta = self._validated_agent_metadata(
-                payload_bytes, expected_engine_id, remote_tp_size
-            )
-            agent_names[remote_rank] = self.add_remote_agent(
-                agent_meta, remote_rank, remote_tp_size
-            )
-            logger.debug(
-                "NIXL handshake with %s rank %s took %.3f s",
-                expected_engine_id,
-                remote_rank,
-                time.perf_counter() - started,
-            )
-        return agent_names
+                if payload_bytes is None:
+                    raise handshake.NoAnswerError(
+                        "side channel",
+                        f"an answer within {self._side_channel_timeout_s:g} s",
+                        f"no answer from {path} for rank {remote_rank}",
+                        "check that the prefill engine is up and "
+                        "VLLM_NIXL_SIDE_CHANNEL_HOST/PORT point at it",
+                    )
+                agent_meta = self._validated_agent_metadata(
+                    payload_bytes, expected_engine_id, remote_tp_size
+                )
+                agent_names[remote_rank] = self.add_remote_agent(
+                    agent_meta, remote_rank, remote_tp_size
+                )
+                logger.debug(
+                    "NIXL handshake with %s rank %s took %.3f s",
+                    expected_engine_id,
+                    remote_rank,
+                    time.perf_counter() - started,
+                )
+            return agent_names
 
     def _validated_agent_metadata(
         self, payload_bytes: bytes, expected_engine_id: str, remote_tp_size: int
@@ -342,7 +344,11 @@ class PeerChecks(RemoteRankBeingAdded):
                 physical_blocks_per_logical=agent_meta.physical_blocks_per_logical_kv_block,
                 kv_cache_layout=agent_meta.kv_cache_layout,
             )
-            handshake.validate_remote(self._handshake_record, record, self._pairs_by_position)
+            try:
+                handshake.validate_remote(self._handshake_record, record, self._pairs_by_position)
+            except handshake.HandshakeError as e:
+                setattr(e, transfer_records.REASON_ATTR, transfer_records.Reason.STOCK_PEER)
+                raise
             logger.warning(
                 "NixlHMAConnector: prefill engine %s runs stock NixlConnector; served, "
                 "since its metadata fixes every byte decode reads (no lease: its blocks "

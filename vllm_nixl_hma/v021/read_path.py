@@ -34,6 +34,7 @@ from vllm_nixl_hma.core import (  # noqa: E402
 from vllm_nixl_hma.core.errors import (  # noqa: E402
     BlockAlignmentError,
 )
+from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["PageRunList", "ReadPath"]
 
@@ -178,6 +179,7 @@ class ReadPath:
         """
         if request_id in self._failed_recv_reqs:
             return  # refused on another remote rank already: nothing more is read
+        self._note_read(read_spec, dst_engine_id, request_id)
         # (start_load_kv keeps spans only when this worker pairs by position)
         span = self._token_spans.get(request_id)
         if not blocks.has_local_blocks(read_spec.local_block_ids):
@@ -426,6 +428,7 @@ class ReadPath:
             if meta is not None and not self._is_hma_required:
                 self._invalid_block_ids.update(meta.local_block_ids[0])
             self.xfer_stats.record_failed_transfer()
+            self._note_not_read(request_id, Reason.TRANSFER, e)
             self._failed_recv_reqs.add(request_id)
             self._forget_remote_engine(dst_engine_id)
             return
@@ -449,4 +452,5 @@ class ReadPath:
             remote_rank=read_spec.remote_rank,
         )
         self.xfer_stats.record_failed_transfer()
+        self._note_not_read(request_id, Reason.UNPAIRABLE, error)
         self._failed_recv_reqs.add(request_id)

@@ -13,6 +13,7 @@ from vllm_nixl_hma._compat import require_adapter
 require_adapter("v021", "vllm_nixl_hma.v021.ticket_checks")
 
 from vllm_nixl_hma.core import tickets  # noqa: E402
+from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["TicketChecks"]
 
@@ -41,5 +42,6 @@ class TicketChecks:
         for request_id, meta in (getattr(metadata, tickets.METADATA_ATTR, None) or {}).items():
             self._recving_metadata[request_id] = meta
             self._refused_by_ticket.add(request_id)
+            self._note_not_read(request_id, Reason.TICKET, "ticket refused (see the scheduler log)")
             self._failed_recv_reqs.add(request_id)
         super().start_load_kv(metadata)

@@ -247,6 +247,8 @@ def build_nixl_agent(
     return agent
 
 
+from vllm_nixl_hma.request_records import RequestRecords021, records_enabled  # noqa: E402
+from vllm_nixl_hma.transfer_stats import NixlHMAKVConnectorStats  # noqa: E402
 from vllm_nixl_hma.v021.failures import FailedRequests, FailureReports  # noqa: E402
 from vllm_nixl_hma.v021.lease_checks import LeaseChecks  # noqa: E402
 from vllm_nixl_hma.v021.peer import (  # noqa: E402
@@ -258,7 +260,13 @@ from vllm_nixl_hma.v021.ticket_checks import TicketChecks  # noqa: E402
 
 
 class NixlHMAConnectorWorker(
-    TicketChecks, ReadPath, PeerChecks, FailureReports, LeaseChecks, NixlConnectorWorker
+    RequestRecords021,
+    TicketChecks,
+    ReadPath,
+    PeerChecks,
+    FailureReports,
+    LeaseChecks,
+    NixlConnectorWorker,
 ):
     """vLLM's ``NixlConnectorWorker`` with the departures listed in this module."""
 
@@ -320,6 +328,8 @@ class NixlHMAConnectorWorker(
             super().__init__(vllm_config, engine_id, kv_cache_config)
         contract.require_state(self, contract.worker_state, NixlConnectorWorker, "its constructor")
         self._failed_recv_reqs = FailedRequests(self._failed_recv_reqs)
+        records_enabled(extra_config)  # a bad transfer_records stops startup
+        self.xfer_stats = NixlHMAKVConnectorStats()  # upstream's, plus our counts
 
     @property
     def _state_split(self) -> StateSplit:

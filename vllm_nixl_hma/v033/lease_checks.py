@@ -17,8 +17,12 @@ require_adapter("v033", "vllm_nixl_hma.v033.lease_checks")
 from vllm.logger import init_logger  # noqa: E402
 
 from vllm_nixl_hma.core import lease  # noqa: E402
+from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["LEASE_EXTENSIONS_ATTR", "LeaseChecks"]
+
+#: why ``lease.abandon_read`` gave a read up, as a record's reason
+_ABANDONED = {"lease": Reason.LATE_READ, "timeout": Reason.TIMEOUT}
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -117,6 +121,7 @@ class LeaseChecks:
             deadline, time.perf_counter(), self._lease_margin_s, meta.local_block_ids
         ):
             logger.error(lease.READ_REFUSED, req_id)
+            self._note_not_read(req_id, Reason.LEASE, "prefill's lease ends within the margin")
             self.xfer_stats.record_kv_expired_req()
             self._handle_failed_transfer(
                 req_id, None, self._recv_failures, record_failed_transfer=False
@@ -154,6 +159,7 @@ class LeaseChecks:
             deadline = self._lease_end(meta) if meta is not None else None
             if deadline is not None and lease.untrusted_read(deadline, now, self._lease_margin_s):
                 logger.error(lease.READ_FINISHED_LATE, request_id)
+                self._note_not_read(request_id, Reason.LATE_READ, "finished past the lease")
                 failed.add(request_id)
         for request_id in done | failed:
             self._forget_lease_of(self._recving_metadata.get(request_id))
@@ -179,6 +185,7 @@ class LeaseChecks:
             if reason is None:
                 continue
             logger.error(lease.READ_ABANDONED, request_id, in_flight_s or 0.0, reason)
+            self._note_not_read(request_id, _ABANDONED[reason], f"in flight: {reason}")
             retained = [
                 handle
                 for handle in handles

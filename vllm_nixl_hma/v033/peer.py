@@ -54,8 +54,9 @@ class PeerChecks(RemoteRankBeingAdded):
         """
         from vllm import envs
 
-        addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
-        return super()._nixl_handshake(host, port, *args, **kwargs)
+        with self._noting_handshake_failure(host, port):
+            addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+            return super()._nixl_handshake(host, port, *args, **kwargs)
 
     def add_remote_agent(
         self,

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # no
 
 from vllm_nixl_hma.core import blocks, positions  # noqa: E402
 from vllm_nixl_hma.core.errors import BlockAlignmentError  # noqa: E402
+from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["ReadPath"]
 
@@ -139,6 +140,7 @@ class ReadPath:
         finish first, as upstream lets them). Remove when: upstream's pairing
         checks fail the request.
         """
+        self._note_read(read_spec, dst_engine_id, request_id)
         self._span_being_read = (
             self._token_spans.get(request_id) if self._pairs_by_position else None
         )
@@ -163,6 +165,7 @@ class ReadPath:
                 dst_engine_id=dst_engine_id,
                 remote_rank=read_spec.remote_rank,
             )
+            self._note_not_read(request_id, Reason.UNPAIRABLE, e)
             self._handle_failed_transfer(request_id, None, self._recv_failures)
             return False
         finally:

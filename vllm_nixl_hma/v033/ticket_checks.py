@@ -11,6 +11,7 @@ from vllm_nixl_hma._compat import require_adapter
 require_adapter("v033", "vllm_nixl_hma.v033.ticket_checks")
 
 from vllm_nixl_hma.core import tickets  # noqa: E402
+from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["TicketChecks"]
 
@@ -36,6 +37,9 @@ class TicketChecks:
         for request_id, meta in (getattr(metadata, tickets.METADATA_ATTR, None) or {}).items():
             if meta.awaiting_kvs or any(meta.local_block_ids):
                 self._recving_metadata[request_id] = meta
+                self._note_not_read(
+                    request_id, Reason.TICKET, "ticket refused (see the scheduler log)"
+                )
                 self._handle_failed_transfer(
                     request_id, None, self._recv_failures, record_failed_transfer=False
                 )

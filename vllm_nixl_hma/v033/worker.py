@@ -108,6 +108,8 @@ from vllm_nixl_hma.core import (  # noqa: E402
 from vllm_nixl_hma.core.errors import UnsupportedModelError  # noqa: E402
 from vllm_nixl_hma.core.groups import group_kinds  # noqa: E402
 from vllm_nixl_hma.core.state_split import derive_state_split  # noqa: E402
+from vllm_nixl_hma.request_records import RequestRecords033, records_enabled  # noqa: E402
+from vllm_nixl_hma.transfer_stats import NixlHMAKVConnectorStats  # noqa: E402
 from vllm_nixl_hma.v033.lease_checks import LEASE_EXTENSIONS_ATTR, LeaseChecks  # noqa: E402
 from vllm_nixl_hma.v033.peer import PeerChecks  # noqa: E402
 from vllm_nixl_hma.v033.read_path import ReadPath  # noqa: E402
@@ -119,7 +121,7 @@ logger = init_logger(f"vllm.{__name__}")
 
 
 class NixlHMAConnectorWorker(
-    TicketChecks, PeerChecks, ReadPath, LeaseChecks, NixlPullConnectorWorker
+    RequestRecords033, TicketChecks, PeerChecks, ReadPath, LeaseChecks, NixlPullConnectorWorker
 ):
     """vLLM 0.33's ``NixlPullConnectorWorker`` with the departures listed in this module."""
 
@@ -170,6 +172,8 @@ class NixlHMAConnectorWorker(
         self._read_timeout_s = lease.configured_read_timeout_s(
             self.kv_transfer_config.kv_connector_extra_config
         )
+        records_enabled(extra_config)  # a bad transfer_records stops startup
+        self.xfer_stats = NixlHMAKVConnectorStats()  # upstream's, plus our counts
         if not self._has_mamba:
             return
         mamba_spec = next(

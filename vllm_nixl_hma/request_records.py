@@ -90,8 +90,8 @@ class RequestRecords:
         return {}
 
     @functools.cached_property
-    def _handshake_failures(self) -> dict[tuple[str, int], tuple[Reason, str]]:
-        """{(host, port): why the last handshake with it failed}"""
+    def _handshake_failures(self) -> dict[str, tuple[Reason, str]]:
+        """{remote engine id: why the last handshake with it failed}"""
         return {}
 
     @functools.cached_property
@@ -143,18 +143,28 @@ class RequestRecords:
         reads.groups = max(reads.groups, groups_read)
 
     @contextlib.contextmanager
-    def _noting_handshake_failure(self, host: str, port: int) -> Iterator[None]:
-        """Around a handshake: note why it failed, by the address asked (the
-        requests waiting on it name that address)."""
+    def _noting_handshake_failure(self, engine_id: object) -> Iterator[None]:
+        """Around a handshake with remote engine ``engine_id``: note why it
+        failed (upstream handshakes once per engine; every request waiting
+        on it fails with it, whatever address each names)."""
         try:
             yield
         except Exception as e:
-            self._handshake_failures[(str(host), int(port))] = (
+            self._handshake_failures[str(engine_id)] = (
                 reason_of_handshake_error(e),
                 _first_line(str(e)),
             )
             raise
-        self._handshake_failures.pop((str(host), int(port)), None)
+        self._handshake_failures.pop(str(engine_id), None)
+
+    def _note_handshake_failures(self, request_ids, metas) -> None:
+        """Name the reason of each failed request whose engine's handshake
+        failed, before a later handshake with it succeeds."""
+        for request_id in request_ids:
+            remote = getattr(metas.get(request_id), "remote", None)
+            failure = self._handshake_failures.get(str(getattr(remote, "engine_id", None)))
+            if failure is not None:
+                self._note_not_read(request_id, *failure)
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
         """Upstream's ``_pop_done_transfers`` one request at a time, so that
@@ -198,11 +208,7 @@ class RequestRecords:
         remote = getattr(meta, "remote", None)
         host = getattr(remote, "host", None)
         if noted is None and failed:
-            port = getattr(remote, "port", None)
-            noted = self._handshake_failures.get((str(host), int(port or 0))) or (
-                Reason.TRANSFER,
-                "failed (reason not classified)",
-            )
+            noted = (Reason.TRANSFER, "the transfer failed")
         if noted is None:
             outcome, reason, detail = Outcome.READ, Reason.NONE, None
         else:
@@ -291,7 +297,9 @@ class RequestRecords021(RequestRecords):
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         metas = dict(self._recving_metadata)
-        failed_before = set(self._failed_recv_reqs) | set(self._not_read_reasons)
+        failed_now = set(tuple(self._failed_recv_reqs))
+        self._note_handshake_failures(failed_now, metas)
+        failed_before = failed_now | set(self._not_read_reasons)
         self.__dict__["_notified_this_step"] = set()
         done_sending, done_recving = super().get_finished()
         invalid = self._invalid_block_ids
@@ -319,6 +327,7 @@ class RequestRecords033(RequestRecords):
         metas = dict(self._recving_metadata)
         self.__dict__["_notified_this_step"] = set()
         results = super().get_transfer_results()
+        self._note_handshake_failures(results.failed_recving or (), metas)
         for request_id in results.finished_recving:
             failed = request_id in (results.failed_recving or ())
             self._record_received(request_id, metas.get(request_id), failed)

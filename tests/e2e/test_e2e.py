@@ -200,6 +200,30 @@ def assert_every_fault_fails_closed(report, log, faults=FAULTS):
         assert_decode_named_each_refusal(log)
 
 
+def assert_plugin_metrics_account_for_the_run(report, log, d_tp: int):
+    """#27 through real engines: every engine's /metrics shows the plugin's
+    counters and they equal what its log's per-request records add up to;
+    each decode engine counted a read per decode TP rank for every prompt
+    routed to it at least; each fault cell grew its decode engine's counters
+    by the fault's own class under its policy (``plugin_metrics``)."""
+    assert report["records_match"] is True, failed(
+        {"metrics": report["metrics"], "records": report["records"]}, log
+    )
+    for name, counts in report["metrics"].items():
+        assert counts == report["records"][name], failed({name: counts}, log)
+    routed = {}
+    for pair in report["pairs"]:
+        routed[pair["decode"]] = routed.get(pair["decode"], 0) + pair["routed"]
+    for decode, prompts in routed.items():
+        reads = report["metrics"][decode].get("decode/read/none", 0)
+        assert reads >= prompts * d_tp, failed({decode: report["metrics"][decode]}, log)
+    for fault in report["faults"]:
+        assert fault["records_ok"] is True, failed(fault, log)
+        not_read = {k for k in fault["records"] if k.startswith("decode/") and "/read/" not in k}
+        if fault["policy"] == "recompute":
+            assert all(k.startswith("decode/recomputed/") for k in not_read), failed(fault, log)
+
+
 def assert_side_channel_survived(report, log):
     """#25 item 3, on a live engine: prefill's side channel took at least
     1000 bad queries from raw ZMQ clients, then answered a real query for
@@ -295,6 +319,7 @@ def test_ours_heterogeneous_hybrid_across_hosts_through_vllm_router_matches_and_
     assert_every_prompt_matches(report, log)
     assert_kv_crossed_the_link(report, log)
     assert_every_fault_fails_closed(report, log)
+    assert_plugin_metrics_account_for_the_run(report, log, d_tp=1)
     assert_side_channel_survived(report, log)
     assert_conversation_reuses_both_caches(report, log)
     assert_moe_path(report, ("reference", "prefill", "decode"), report["cpu"]["host_amx"])
@@ -332,6 +357,7 @@ def test_ours_dense_across_hosts_matches_one_engine_and_fails_closed_on_every_fa
     assert_every_pair_served(report, log)
     assert_kv_crossed_the_link(report, log, TWO_BY_TWO_HOSTS)
     assert_every_fault_fails_closed(report, log, ALL_FAULTS)
+    assert_plugin_metrics_account_for_the_run(report, log, d_tp=1)
     assert_side_channel_survived(report, log)
     assert_no_callback_raised(tmp_path)
     # prefill was killed last: the router's prompts to it fail, to prefill-1 match
@@ -420,6 +446,7 @@ def test_ours_sliding_window_matches_one_engine_and_fails_closed(tmp_path):
     assert "Hybrid KV cache manager is disabled for this hybrid model" in decode_log
     assert_every_prompt_matches(report, log)
     assert_every_fault_fails_closed(report, log)
+    assert_plugin_metrics_account_for_the_run(report, log, d_tp=1)
     assert_side_channel_survived(report, log)
     assert_no_callback_raised(tmp_path)
     assert report["ok"]

@@ -152,6 +152,10 @@ class FaultResult:
     #: fake-prefill-ticket: connections the fake prefill's listener accepted
     #: (None: decode is on another host and could not reach it anyway)
     dialed: int | None = None
+    #: what decode's plugin counters on /metrics grew by over the cell (#27),
+    #: and whether that is the fault's own class (None: stock, no counters)
+    records: dict[str, int] | None = None
+    records_ok: bool | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

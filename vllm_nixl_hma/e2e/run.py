@@ -451,6 +451,8 @@ def _run_engines(
                     "read_timeout_s": E2E_READ_TIMEOUT_S,
                     "progress_thread_delay_us": E2E_PROGRESS_THREAD_DELAY_US,
                     "ticket_keys_env": TICKET_KEYS_ENV,
+                    # one JSON line per request (#27): checked against /metrics
+                    "transfer_records": True,
                 },
                 extra_env={**spec.extra_env, TICKET_KEYS_ENV: ticket_key_line},
             )
@@ -659,6 +661,9 @@ def _run_engines(
         report["forged_read"] = _ticket_cells(
             "other-request-ticket", prefill, {"fail": decode}, expected, options, placement
         )[0].as_json()
+    if options.connector == "NixlHMAConnector":
+        progress("the plugin's counters on each engine's /metrics, against its log's records")
+        report.update(_plugin_metrics(started))
     after: list[PromptResult] = []
     if survivors:
         progress(f"after the faults, {prefill.name} is gone: P/D prompts of {after_lengths} tokens")
@@ -688,6 +693,7 @@ def _run_engines(
         and all(reads > 0 for reads in report["kv_reads"].values())
         and survivors_served(after, gone=prefill.name)
         and (not options.prefix_caching or report.get("conversation_ok") is True)
+        and report.get("records_match", True) is True
     )
     return report
 
@@ -919,8 +925,10 @@ def _faults(
             result = faults.FaultResult(name, "-", error="needs separate hosts")
             results.append(result)
             continue
+        counted_before = {p: plugin_counts(d) for p, d in decode_by_policy.items()}
         if name in faults.TICKET_FAULTS:
-            results += _ticket_cells(name, prefill, decode_by_policy, expected, options, placement)
+            cells = _ticket_cells(name, prefill, decode_by_policy, expected, options, placement)
+            results += _with_records(name, cells, decode_by_policy, counted_before)
             continue
         body = completion(prompt_ids(fault_prompt_tokens(name)))
         expected_tokens, _ = _tokens(expected[fault_prompt_tokens(name)])
@@ -928,12 +936,89 @@ def _faults(
         if name == "prefill-killed":
             prefill.kill()
         with _network_fault(name, placement):
-            results += _fault_cells(
+            cells = _fault_cells(
                 name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t,
                 reachable=prefill.alive() and name not in _UNPLUGGED,
                 placement=placement, ticket_keys=ticket_keys,
             )  # fmt: skip
+        results += _with_records(name, cells, decode_by_policy, counted_before)
     return results
+
+
+#: how long the counters of a fault cell may take to reach /metrics (vLLM
+#: publishes connector stats with the step that produced them)
+RECORDS_WAIT_S = 15.0
+
+
+def plugin_counts(server) -> dict[str, int] | None:
+    """The plugin's counters on ``server``'s /metrics (None: not there, a
+    stock engine or none answering)."""
+    from vllm_nixl_hma.e2e import plugin_metrics
+
+    try:
+        status, text = server.get("/metrics")
+    except OSError:
+        return None
+    if status != 200 or "vllm:nixl_hma_decode_requests_total" not in text:
+        return None
+    return plugin_metrics.counts_from_metrics(text)
+
+
+def _with_records(name, cells, decode_by_policy, counted_before):
+    """Each cell of fault ``name`` with what its decode engine's counters
+    (#27) grew by over it, judged (``plugin_metrics.fault_records_ok``):
+    waits up to ``RECORDS_WAIT_S`` for the broken request to be counted."""
+    from vllm_nixl_hma.e2e import faults, plugin_metrics
+
+    may_deliver = name in faults.MAY_DELIVER
+    for cell in cells:
+        decode_server = decode_by_policy.get(cell.policy)
+        before = counted_before.get(cell.policy)
+        if decode_server is None or before is None or cell.error:
+            continue
+        deadline = time.monotonic() + RECORDS_WAIT_S
+        while True:
+            grown = plugin_metrics.delta(before, plugin_counts(decode_server) or {})
+            cell.records_ok = plugin_metrics.fault_records_ok(name, cell.policy, grown, may_deliver)
+            if cell.records_ok or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        cell.records = grown
+        cell.ok = cell.ok and cell.records_ok
+    return cells
+
+
+def _plugin_metrics(servers) -> dict[str, Any]:
+    """Per engine still alive: the plugin's counters on its /metrics and the
+    same counts from its log's per-request records, and whether they agree
+    (waiting up to ``RECORDS_WAIT_S`` for the last steps' stats); every
+    decode engine must have counted reads."""
+    from vllm_nixl_hma.e2e import plugin_metrics
+
+    deadline = time.monotonic() + RECORDS_WAIT_S
+    while True:
+        metrics, records = {}, {}
+        for server in servers:
+            if not server.alive():
+                continue
+            counted = plugin_counts(server)
+            metrics[server.name] = counted
+            records[server.name] = plugin_metrics.counts_from_log(
+                server.log_path.read_text(errors="replace")
+            )
+        match = bool(metrics) and all(
+            counted is not None and plugin_metrics.records_match(counted, records[name])
+            for name, counted in metrics.items()
+        )
+        if match or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    decodes_read = all(
+        (counted or {}).get("decode/read/none", 0) > 0
+        for name, counted in metrics.items()
+        if name.startswith("decode")
+    )
+    return {"metrics": metrics, "records": records, "records_match": match and decodes_read}
 
 
 #: the networks each network fault unplugs the prefill host from

@@ -218,6 +218,10 @@ class ScenarioResult:
     # several decode engines: requests prefill released (notified, or freed by
     # its lease: ``prefill_released_by_expiry`` counts those), of ``requests``
     prefill_released: int | None = None
+    # the plugin's per-request records of the batch, summed over decode ranks
+    # (``"outcome/reason": requests``), and the bytes of the requests read
+    outcomes: dict[str, int] = field(default_factory=dict)
+    record_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -236,6 +240,8 @@ class ScenarioResult:
             "ids_posted",  # benchmarks/run.py reads these three
             "post_ms",
             "post_cpu_ms",
+            "outcomes",
+            "record_bytes",
         ):
             row.pop(internal)
         return row
@@ -595,6 +601,17 @@ def _first_line(error: Exception) -> str:
     return text[0] if text else type(error).__name__
 
 
+def _records_error(result: ScenarioResult, share_of, d_engines) -> str | None:
+    """The plugin's records of a batch that arrived whole (#27): one ``read``
+    record per request and decode rank, whose bytes add up to what NIXL moved."""
+    expected = sum(len(share_of[ranks[0]]) * len(ranks) for ranks in d_engines)
+    if result.outcomes != {"read/none": expected}:
+        return f"records: {result.outcomes}, expected {{'read/none': {expected}}}"
+    if result.record_bytes != result.bytes:
+        return f"records: {result.record_bytes} bytes read, NIXL moved {result.bytes}"
+    return None
+
+
 def _run_scenario(
     pool, cell, scenario, result, p_ranks, d_engines, p_info, d_info, side_channel_port, rng
 ) -> None:
@@ -783,6 +800,12 @@ def _run_scenario(
     result.seconds = max(load["seconds"] for load in loads.values())
     result.bytes = sum(load["bytes"] for load in loads.values())
     result.descriptors = sum(load["descriptors"] for load in loads.values())
+    for load in loads.values():
+        for key, count in load["outcomes"].items():
+            result.outcomes[key] = result.outcomes.get(key, 0) + count
+        result.record_bytes += load["record_bytes"]
+    if result.error is None and cell.connector == "NixlHMAConnector":
+        result.error = _records_error(result, share_of, d_engines)
     result.ids_posted = sum(load["ids_posted"] for load in loads.values())
     result.post_ms = max(load["post_seconds"] for load in loads.values()) * 1e3
     result.post_cpu_ms = max(load["post_cpu_seconds"] for load in loads.values()) * 1e3

@@ -15,7 +15,7 @@ HMA, every group with it), on 0.33 the request in ``failed_recving``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,9 @@ class Fault:
     #: prefix caching on, lists paired by token position, and decode's scheduler
     #: hands the first request a token span its lists do not fit: it alone must fail
     bad_span: bool = False
+    #: what decode's records (#27) must say of each request the fault stops
+    #: (``"outcome/reason"``; the harness runs kv_load_failure_policy "fail")
+    records: tuple[str, ...] = ()
 
     @property
     def first_request_alone(self) -> bool:
@@ -100,6 +103,7 @@ FAULTS = (
         "prefill runs stock NixlConnector (no handshake record) at P TP 2 -> D TP 1"
         + RATIOS_DIFFER,
         prefill_connector="NixlConnector",
+        records=("refused/stock_peer",),
     ),
     Fault(
         "dead-side-channel",
@@ -107,18 +111,21 @@ FAULTS = (
         "then a batch to the live one must still succeed",
         p_tp=1,
         dead_side_channel=True,
+        records=("failed/unreachable",),
     ),
     Fault(
         "mismatched-layout",
         "prefill serves another model layout (hybrid: one SSM group, other state size; "
         "dense and sliding window: another head size)",
         mismatched_prefill=True,
+        records=("refused/handshake",),
     ),
     Fault(
         "prefill-killed",
         "prefill processes are killed (SIGKILL) after the handshake, before decode reads",
         p_tp=1,
         kill_prefill=True,
+        records=("failed/transfer",),
     ),
     Fault(
         "prefill-killed-mid-read",
@@ -126,12 +133,14 @@ FAULTS = (
         "(UCX over TCP, so that the reads take long enough to be interrupted)",
         p_tp=1,
         kill_prefill_mid_read=True,
+        records=("failed/transfer",),
     ),
     Fault(
         "expired-lease",
         "prefill's lease runs out and it reuses the blocks before decode reads",
         p_tp=1,
         expire_lease=True,
+        records=("expired/lease",),
     ),
     Fault(
         "late-read",
@@ -139,12 +148,14 @@ FAULTS = (
         "ended (a decode step that ran long): the KV is not trusted",
         p_tp=1,
         late_read=True,
+        records=("expired/late_read",),
     ),
     Fault(
         "unpairable",
         "the first request's attention block list from prefill is cut to one block, which no "
         "rounding explains: that request fails alone, the other two arrive intact",
         unpairable=True,
+        records=("refused/unpairable",),
     ),
     Fault(
         "bad-token-span",
@@ -152,6 +163,7 @@ FAULTS = (
         "hands the first request a token span two prefill blocks longer than its lists: "
         "that request fails alone, the other two arrive intact",
         bad_span=True,
+        records=("refused/unpairable",),
     ),
     Fault(
         "lost-notification",
@@ -190,10 +202,30 @@ class FaultResult:
     #: how many requests must fail, at least and at most (None: every request
     #: of the batch); the others must arrive intact
     expect_failed: tuple[int, int] | None = None
+    #: decode's records of the batch (``"outcome/reason": requests``; empty for
+    #: stock NixlConnector, which keeps none) and what the fault allows
+    outcomes: dict[str, int] = field(default_factory=dict)
+    records_allowed: tuple[str, ...] = ()
+    records_kept: bool = False
+
+    @property
+    def records_ok(self) -> bool:
+        """One record per request: ``read`` for each request that arrived,
+        one of the fault's own outcomes for each it stopped (#27)."""
+        if not self.records_kept:
+            return True
+        not_read = {k: n for k, n in self.outcomes.items() if k != "read/none"}
+        return (
+            sum(self.outcomes.values()) == self.requests
+            and sum(not_read.values()) == self.requests_failed
+            and set(not_read) <= set(self.records_allowed)
+        )
 
     @property
     def ok(self) -> bool:
         if self.requests == 0 or self.silently_wrong_slots or self.leaked_handles:
+            return False
+        if not self.records_ok:
             return False
         if self.expect_failed is not None:
             # that many fail, every other request arrives intact and is checked
@@ -220,6 +252,8 @@ class FaultResult:
             "prefill_released",
             "slots_checked",
             "expect_failed",
+            "records_allowed",
+            "records_kept",
         ):
             row.pop(internal)
         return row
@@ -261,7 +295,9 @@ def for_model_kind(fault: Fault, kind: ModelKind) -> Fault:
     return fault
 
 
-def _judge(fault: Fault, result: ScenarioResult, kind: ModelKind) -> FaultResult:
+def _judge(
+    fault: Fault, result: ScenarioResult, kind: ModelKind, records_kept: bool = False
+) -> FaultResult:
     return FaultResult(
         name=fault.name,
         requests_failed=result.requests_failed,
@@ -277,6 +313,9 @@ def _judge(fault: Fault, result: ScenarioResult, kind: ModelKind) -> FaultResult
         slots_checked=result.slots_checked,
         model=kind.name,
         expect_failed=_expect_failed(fault, result),
+        outcomes=dict(result.outcomes),
+        records_allowed=fault.records,
+        records_kept=records_kept,
     )
 
 
@@ -408,7 +447,7 @@ def run_faults(
                     result.requests_failed = 0
             else:
                 (result,) = batches
-            results.append(_judge(fault, result, kind))
+            results.append(_judge(fault, result, kind, connector == "NixlHMAConnector"))
     finally:
         pool.close()
         if tcp_pool is not None:
@@ -425,5 +464,6 @@ FAULT_COLUMNS = (
     ("silently wrong slots", 20, lambda r: r.silently_wrong_slots),
     ("seconds", 7, lambda r: f"{r.seconds:.2f}"),
     ("leaked", 6, lambda r: r.leaked_handles),
+    ("records", 24, lambda r: ", ".join(f"{n} {k}" for k, n in sorted(r.outcomes.items())) or "-"),
     ("verdict", 7, lambda r: "ok" if r.ok else "FAILED"),
 )

@@ -526,7 +526,13 @@ def _load(
         posting.close()
     seconds = time.perf_counter() - start
     data = stats.data
+    from vllm_nixl_hma.core.transfer_records import OutcomeCounts
+
+    records = OutcomeCounts.from_data(data)  # empty for stock NixlConnector
     return {
+        # the plugin's per-request records of this batch, counted (#27)
+        "outcomes": records.counts(),
+        "record_bytes": int(sum(records.bytes_read)),
         "done": sorted(done),
         "failed": sorted(failed),
         "posted_before_poll": posted_before_poll,

@@ -18,6 +18,7 @@ from vllm.logger import init_logger  # noqa: E402
 from vllm_nixl_hma.core import (  # noqa: E402
     blocks,
 )
+from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["FailedRequests", "FailureReports"]
 
@@ -131,6 +132,7 @@ class FailureReports:
         """vLLM 0.21.0 ``NixlConnectorWorker._handle_failed_transfer``, plus
         the request's blocks in every group under HMA and forgetting the
         failed engine (see the ledger)."""
+        self._note_not_read(req_id, Reason.TRANSFER, "a posted NIXL read failed")
         self._report_invalid_blocks_of(req_id)
         super()._handle_failed_transfer(req_id, handle)
         meta = self._recving_metadata.get(req_id)

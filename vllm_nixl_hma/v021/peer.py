@@ -245,7 +245,7 @@ class PeerChecks(RemoteRankBeingAdded):
         from vllm import envs
         from vllm.utils.network_utils import make_zmq_path
 
-        with self._noting_handshake_failure(host, port):
+        with self._noting_handshake_failure(expected_engine_id):
             addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
             if not self.use_host_buffer:
                 # the background thread needs a device context (see upstream)
@@ -337,16 +337,16 @@ class PeerChecks(RemoteRankBeingAdded):
             )
         record = parsed.record
         if record is None:
-            record = handshake.record_for_stock_peer(
-                self._handshake_record,
-                remote_tp_size=remote_tp_size,
-                block_size=agent_meta.block_size,
-                physical_blocks_per_logical=agent_meta.physical_blocks_per_logical_kv_block,
-                kv_cache_layout=agent_meta.kv_cache_layout,
-            )
             try:
+                record = handshake.record_for_stock_peer(
+                    self._handshake_record,
+                    remote_tp_size=remote_tp_size,
+                    block_size=agent_meta.block_size,
+                    physical_blocks_per_logical=agent_meta.physical_blocks_per_logical_kv_block,
+                    kv_cache_layout=agent_meta.kv_cache_layout,
+                )
                 handshake.validate_remote(self._handshake_record, record, self._pairs_by_position)
-            except handshake.HandshakeError as e:
+            except handshake.HandshakeError as e:  # its records say stock_peer
                 setattr(e, transfer_records.REASON_ATTR, transfer_records.Reason.STOCK_PEER)
                 raise
             logger.warning(

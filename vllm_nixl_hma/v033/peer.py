@@ -54,7 +54,8 @@ class PeerChecks(RemoteRankBeingAdded):
         """
         from vllm import envs
 
-        with self._noting_handshake_failure(host, port):
+        engine_id = kwargs.get("expected_engine_id", args[1] if len(args) > 1 else None)
+        with self._noting_handshake_failure(engine_id):
             addresses.check_before_dialing(host, envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
             return super()._nixl_handshake(host, port, *args, **kwargs)
 

@@ -1,0 +1,96 @@
+"""Parsing the plugin's counters off /metrics and its records off a log,
+and judging a fault cell by them (e2e/plugin_metrics.py, #27)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_nixl_hma.core.transfer_records import DecodeRecord, Outcome, PrefillRecord, Reason
+from vllm_nixl_hma.e2e import plugin_metrics
+
+# /metrics as prometheus_client writes it: two DP ranks (vLLM's engine label)
+METRICS = """\
+# HELP vllm:nixl_hma_decode_requests_total KV reads of P/D requests
+# TYPE vllm:nixl_hma_decode_requests_total counter
+vllm:nixl_hma_decode_requests_total{engine="0",model_name="m",outcome="read",reason="none"} 3.0
+vllm:nixl_hma_decode_requests_total{engine="1",model_name="m",outcome="read",reason="none"} 2.0
+vllm:nixl_hma_decode_requests_total{engine="0",model_name="m",outcome="refused",reason="ticket"} 1.0
+vllm:nixl_hma_decode_requests_total{engine="0",model_name="m",outcome="failed",reason="timeout"} 0.0
+vllm:nixl_hma_decode_request_bytes_count{engine="0",model_name="m"} 5.0
+vllm:nixl_hma_decode_request_bytes_sum{engine="0",model_name="m"} 5000.0
+vllm:nixl_hma_decode_request_bytes_bucket{engine="0",le="4096.0",model_name="m"} 5.0
+vllm:nixl_hma_prefill_requests_total{engine="0",freed_by="lease",model_name="m"} 1.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 5000.0
+"""
+
+
+def test_counters_are_summed_over_vllms_label_sets_and_zeros_left_out():
+    assert plugin_metrics.counts_from_metrics(METRICS) == {
+        "decode/read/none": 5,
+        "decode/refused/ticket": 1,
+        "decode_reads": 5,
+        "decode_bytes": 5000,
+        "prefill/lease": 1,
+    }
+
+
+def test_the_log_records_add_up_to_the_same_counts():
+    lines = [
+        DecodeRecord("a", Outcome.READ, bytes_read=1000).to_json(),
+        DecodeRecord("b", Outcome.READ, bytes_read=4000).to_json(),
+        DecodeRecord("c", Outcome.REFUSED, Reason.TICKET).to_json(),
+        PrefillRecord("p", freed_by="lease").to_json(),
+    ]
+    log = "\n".join(
+        [
+            "INFO 12-03 [engine.py:1] unrelated line",
+            *(
+                f"(Worker pid=1) INFO 12-03 [request_records.py:2] transfer record {x}"
+                for x in lines
+            ),
+        ]
+    )
+    counts = plugin_metrics.counts_from_log(log)
+    assert counts == {
+        "decode/read/none": 2,
+        "decode/refused/ticket": 1,
+        "decode_reads": 2,
+        "decode_bytes": 5000,
+        "prefill/lease": 1,
+    }
+    metrics = dict(counts, **{"decode/read/none": 1, "decode_reads": 1})
+    assert not plugin_metrics.records_match(metrics, counts)
+    with pytest.raises(ValueError):
+        plugin_metrics.counts_from_log('transfer record {"event":"other"}')
+
+
+def test_a_fault_cell_is_judged_by_the_broken_requests_own_class():
+    grown = {"decode/failed/unreachable": 1, "decode/read/none": 1, "decode_reads": 1}
+    assert plugin_metrics.fault_records_ok("side-channel-unreachable", "fail", grown, False)
+    # the same count under recompute must say recomputed
+    assert not plugin_metrics.fault_records_ok(
+        "side-channel-unreachable", "recompute", grown, False
+    )
+    recomputed = {"decode/recomputed/unreachable": 1, "decode/read/none": 1}
+    assert plugin_metrics.fault_records_ok(
+        "side-channel-unreachable", "recompute", recomputed, False
+    )
+    # another fault's class, or nothing counted, is wrong
+    assert not plugin_metrics.fault_records_ok("lease-expired", "fail", grown, False)
+    assert not plugin_metrics.fault_records_ok(
+        "lease-expired", "fail", {"decode/read/none": 2}, False
+    )
+    # a flap may deliver the KV whole
+    assert plugin_metrics.fault_records_ok(
+        "prefill-link-flap", "fail", {"decode/read/none": 2}, True
+    )
+
+
+def test_every_e2e_fault_has_its_classes():
+    from vllm_nixl_hma.e2e import faults
+
+    assert set(plugin_metrics.FAULT_REASONS) == set(faults.ALL_FAULTS)
+
+
+def test_delta_keeps_what_grew():
+    assert plugin_metrics.delta({"a": 1, "b": 2}, {"a": 1, "b": 5, "c": 1}) == {"b": 3, "c": 1}

@@ -1,0 +1,137 @@
+"""The plugin's counters as an engine's /metrics shows them, and its
+per-request records as an engine's log holds them (#27): parsed, compared,
+and what each e2e fault must leave there under each policy. Pure: text in,
+numbers out."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+
+__all__ = [
+    "FAULT_REASONS",
+    "allowed_keys",
+    "counts_from_log",
+    "counts_from_metrics",
+    "delta",
+    "fault_records_ok",
+    "records_match",
+]
+
+#: a sample of one of the plugin's counters: name, labels, value
+_SAMPLE = re.compile(
+    r"^(vllm:nixl_hma_(?:decode_requests_total|prefill_requests_total|"
+    r"decode_request_bytes_count|decode_request_bytes_sum))(\{[^}]*\})?\s+(\S+)$",
+    re.M,
+)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_RECORD = re.compile(r"transfer record (\{.*\})\s*$", re.M)
+
+
+def counts_from_metrics(text: str) -> dict[str, int]:
+    """``{"decode/outcome/reason": n, "prefill/freed_by": n, "decode_bytes":
+    n, "decode_reads": n}`` from /metrics text, summed over vLLM's label sets
+    (``engine``: DP ranks); zero counts left out."""
+    counts: dict[str, int] = {}
+    for name, labels_text, value in _SAMPLE.findall(text):
+        labels = dict(_LABEL.findall(labels_text or ""))
+        if name.endswith("decode_requests_total"):
+            key = f"decode/{labels.get('outcome')}/{labels.get('reason')}"
+        elif name.endswith("prefill_requests_total"):
+            key = f"prefill/{labels.get('freed_by')}"
+        elif name.endswith("_bytes_sum"):
+            key = "decode_bytes"
+        else:
+            key = "decode_reads"
+        number = int(float(value))
+        if number:
+            counts[key] = counts.get(key, 0) + number
+    return counts
+
+
+def counts_from_log(text: str) -> dict[str, int]:
+    """The same counts from the ``transfer record`` JSON lines of an engine's
+    log (``"transfer_records": true``); a line that is not a record is
+    skipped, a record that does not parse raises ValueError."""
+    counts: dict[str, int] = {}
+
+    def add(key: str, number: int = 1) -> None:
+        counts[key] = counts.get(key, 0) + number
+
+    for line in _RECORD.findall(text):
+        record = json.loads(line)
+        if record.get("event") == "decode_read":
+            add(f"decode/{record['outcome']}/{record['reason']}")
+            if record["outcome"] == "read":
+                add("decode_reads")
+                if record["bytes_read"]:
+                    add("decode_bytes", int(record["bytes_read"]))
+        elif record.get("event") == "prefill_served":
+            add(f"prefill/{record['freed_by']}")
+        else:
+            raise ValueError(f"not a transfer record: {line[:200]}")
+    return counts
+
+
+def delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """What grew between two readings (nothing shrinks: counters)."""
+    keys = set(before) | set(after)
+    grown = {key: after.get(key, 0) - before.get(key, 0) for key in keys}
+    return {key: n for key, n in sorted(grown.items()) if n}
+
+
+#: the reasons decode's records may give for the broken request of each e2e
+#: fault (its outcome follows from the policy: refused, failed or expired
+#: under ``fail``, recomputed under ``recompute``)
+FAULT_REASONS: dict[str, frozenset[str]] = {
+    "side-channel-unreachable": frozenset({"unreachable"}),
+    "lease-expired": frozenset({"lease"}),
+    "unpairable-block-lists": frozenset({"unpairable"}),
+    "other-request-ticket": frozenset({"ticket"}),
+    "edited-ticket": frozenset({"ticket"}),
+    "replayed-ticket": frozenset({"ticket"}),
+    "fake-prefill-ticket": frozenset({"ticket"}),
+    # a read posted to a dead engine fails to post or to finish
+    "prefill-killed": frozenset({"transfer"}),
+    "prefill-host-gone": frozenset({"transfer", "timeout", "late_read", "unreachable"}),
+    "prefill-data-path-cut": frozenset({"transfer", "timeout", "late_read", "unreachable"}),
+    "prefill-link-flap": frozenset({"transfer", "timeout", "late_read"}),
+}
+_OUTCOMES_UNDER_FAIL = {
+    "unreachable": "failed",
+    "transfer": "failed",
+    "timeout": "failed",
+    "lease": "expired",
+    "late_read": "expired",
+    "unpairable": "refused",
+    "ticket": "refused",
+    "handshake": "refused",
+    "stock_peer": "refused",
+    "address": "refused",
+}
+
+
+def allowed_keys(fault: str, policy: str) -> set[str]:
+    """The ``decode/outcome/reason`` keys fault ``fault``'s broken request may
+    leave under ``policy``."""
+    return {
+        f"decode/{'recomputed' if policy == 'recompute' else _OUTCOMES_UNDER_FAIL[r]}/{r}"
+        for r in FAULT_REASONS[fault]
+    }
+
+
+def fault_records_ok(fault: str, policy: str, grown: Mapping[str, int], may_deliver: bool) -> bool:
+    """The decode engine's counters over one fault cell (the broken request
+    and the next one): the broken request is counted under one of the fault's
+    own keys (or read, where the fault may deliver), and nothing else but
+    reads was counted."""
+    not_read = {key for key in grown if key.startswith("decode/") and key != "decode/read/none"}
+    if not not_read:
+        return may_deliver
+    return not_read <= allowed_keys(fault, policy)
+
+
+def records_match(metrics: Mapping[str, int], log: Mapping[str, int]) -> bool:
+    """An engine's /metrics counts equal what its log's records add up to."""
+    return dict(metrics) == dict(log)

@@ -247,29 +247,36 @@ class RequestRecords:
 
     # ------------------------------------------------------------ prefill side
 
-    def _get_new_notifs(self) -> set[str]:
-        """Upstream's ``_get_new_notifs``, noting who notified (the agent
-        names NIXL gives) for each request fully read."""
-        wrapper = getattr(self, "nixl_wrapper", None)
-        original = getattr(wrapper, "get_new_notifs", None)
-        if original is None:
-            return super()._get_new_notifs()
-        seen: dict[str, list[bytes]] = {}
+    def _watch_notifications(self) -> None:
+        """Have this worker's NIXL agent hand each batch of notifications it
+        returns to ``_notifs_seen`` too (the constructor calls this once;
+        a worker built without it records no reader names)."""
+        wrapper = self.nixl_wrapper
+        original = wrapper.get_new_notifs
+        seen = self._notifs_seen
 
         def get_new_notifs() -> dict[str, list[bytes]]:
             notifs = original()
-            seen.update(notifs)
+            for agent_name, messages in notifs.items():
+                seen.setdefault(agent_name, []).extend(messages)
             return notifs
 
         wrapper.get_new_notifs = get_new_notifs
-        try:
-            notified = super()._get_new_notifs()
-        finally:
-            del wrapper.get_new_notifs  # the class's method again
-        for agent_name, messages in seen.items():
+
+    @functools.cached_property
+    def _notifs_seen(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def _get_new_notifs(self) -> set[str]:
+        """Upstream's ``_get_new_notifs``, noting who notified (the agent
+        names NIXL gives) for each request fully read."""
+        self._notifs_seen.clear()
+        notified = super()._get_new_notifs()
+        for agent_name, messages in self._notifs_seen.items():
             for message in messages:
                 request_id = bytes(message).decode("utf-8", "replace").rsplit(":", 1)[0]
                 self._prefill_readers.setdefault(request_id, []).append(str(agent_name))
+        self._notifs_seen.clear()
         return notified
 
     def _record_served(self, done_sending: set[str], notified: set[str]) -> None:

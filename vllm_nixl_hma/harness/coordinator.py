@@ -753,9 +753,20 @@ def _run_scenario(
     if not cell.lose_notifications and len(d_engines) == 1:
         for index in serving:
             pool.send(index, "abort")
+    prefill_ours = (cell.prefill_connector or cell.connector) == "NixlHMAConnector"
     for index in serving:
         served = pool._receive(index, COMMAND_TIMEOUT_S)
         result.prefill_released_by_expiry += served["released_by_expiry"]
+        # one prefill record per request freed, saying how (#27)
+        freed = served["prefill_freed"]
+        if prefill_ours and (
+            freed["lease"] != served["released_by_expiry"]
+            or freed["notified"] + freed["lease"] != len(served["notified"])
+        ):
+            result.error = result.error or (
+                f"prefill rank {index} records: {freed}, but it freed {len(served['notified'])} "
+                f"requests, {served['released_by_expiry']} by its lease"
+            )
         if len(d_engines) > 1:
             notified = len(set(served["notified"]) & set(request_ids))
             if result.prefill_released is None or notified < result.prefill_released:

@@ -417,10 +417,14 @@ def _serve(
             time.sleep(POLL_SECONDS)
     finally:
         worker.__dict__.pop("_get_new_notifs", None)
+    from vllm_nixl_hma.core.transfer_records import OutcomeCounts
+
     return {
         "notified": sorted(notified),
         "aborted": aborted,
         "released_by_expiry": len(worker.xfer_stats.data["num_kv_expired_reqs"]),
+        # the plugin's prefill records of the requests freed meanwhile (#27)
+        "prefill_freed": OutcomeCounts.from_data(worker.xfer_stats.data).prefill_counts(),
     }
 
 

@@ -330,6 +330,7 @@ class NixlHMAConnectorWorker(
         self._failed_recv_reqs = FailedRequests(self._failed_recv_reqs)
         records_enabled(extra_config)  # a bad transfer_records stops startup
         self.xfer_stats = NixlHMAKVConnectorStats()  # upstream's, plus our counts
+        self._watch_notifications()  # who read, for prefill's records
 
     @property
     def _state_split(self) -> StateSplit:

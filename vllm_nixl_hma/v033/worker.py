@@ -174,6 +174,7 @@ class NixlHMAConnectorWorker(
         )
         records_enabled(extra_config)  # a bad transfer_records stops startup
         self.xfer_stats = NixlHMAKVConnectorStats()  # upstream's, plus our counts
+        self._watch_notifications()  # who read, for prefill's records
         if not self._has_mamba:
             return
         mamba_spec = next(

@@ -131,3 +131,12 @@ def test_a_malformed_report_is_not_exported(prom):
     metrics.observe(data, 0)
     counter = "vllm:nixl_hma_decode_requests_total"
     assert sample(registry, counter, outcome="read", reason="none") == 0.0
+
+
+def test_transfer_records_takes_a_bool_only():
+    from vllm_nixl_hma.request_records import records_enabled
+
+    assert records_enabled(None) is False
+    assert records_enabled({"transfer_records": True}) is True
+    with pytest.raises(ValueError, match="transfer_records"):
+        records_enabled({"transfer_records": "yes"})

@@ -166,7 +166,9 @@ def test_upstreams_scheduler_starts_our_listener(records):
         assert msgspec.msgpack.decode(updated[0], type=NixlHandshakePayload).compatibility_hash == (
             "new"
         )
-        assert health.dropped[listener.Fault.MALFORMED] == 1 and health.answered >= 1
+        # the listener counts a reply after sending it, so the client can read it first
+        assert wait_until(lambda: health.answered >= 1)
+        assert health.dropped[listener.Fault.MALFORMED] == 1
     finally:
         scheduler.shutdown()
     assert scheduler._nixl_handshake_listener_t is None

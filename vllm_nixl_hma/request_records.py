@@ -171,8 +171,9 @@ class RequestRecords:
         the NIXL telemetry it records for each finished read (vLLM's
         ``xfer_stats.record_transfer``) is known to be this request's."""
         stats = getattr(self, "xfer_stats", None)
-        durations = stats.data.get("transfer_duration") if stats is not None else None
-        if durations is None:
+        data = getattr(stats, "data", None)
+        durations = data.get("transfer_duration") if isinstance(data, dict) else None
+        if not isinstance(durations, list):  # not vLLM's NIXL stats: nothing to attribute
             return super()._pop_done_transfers(transfers)
         results: list[Any] = []
         for request_id in list(transfers):

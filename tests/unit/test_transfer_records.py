@@ -207,3 +207,17 @@ def test_a_handshake_error_is_classed_by_its_own_reason_then_by_its_type():
     assert reason_of_handshake_error(refused) is Reason.STOCK_PEER
     assert reason_of_handshake_error(TimeoutError("no answer")) is Reason.UNREACHABLE
     assert reason_of_handshake_error(ConnectionRefusedError()) is Reason.UNREACHABLE
+
+
+def test_zmq_errors_are_unreachable_and_upstreams_own_refusals_are_handshake():
+    """0.33's upstream handshake raises ``RuntimeError`` when prefill's
+    compatibility hash or engine id differs (a refusal of what prefill
+    sent, as the mismatched-layout fault shows on 0.33), and ZeroMQ's
+    ``Again`` when the side channel does not answer in time."""
+    zmq = pytest.importorskip("zmq")
+
+    assert reason_of_handshake_error(zmq.Again()) is Reason.UNREACHABLE
+    assert reason_of_handshake_error(zmq.ZMQError(111)) is Reason.UNREACHABLE
+    hash_refusal = RuntimeError("NIXL compatibility hash mismatch. Local: a, Remote: b.")
+    assert reason_of_handshake_error(hash_refusal) is Reason.HANDSHAKE
+    assert reason_of_handshake_error(ValueError("bad metadata")) is Reason.HANDSHAKE

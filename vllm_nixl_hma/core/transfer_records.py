@@ -25,8 +25,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_nixl_hma.core.errors import IncompatibleRemoteError
-
 __all__ = [
     "DATA_KEYS",
     "REASONS",
@@ -216,15 +214,28 @@ REASON_ATTR = "record_reason"
 def reason_of_handshake_error(error: BaseException) -> Reason:
     """The reason a handshake that raised ``error`` failed: the error's own
     ``record_reason`` where it has one (``addresses``' refusals, a stock
-    peer refused, a side channel that did not answer), a refusal naming a
-    field (``IncompatibleRemoteError``) otherwise, and ``unreachable`` for
-    anything else (a socket error, upstream's own timeout)."""
+    peer refused, a side channel that did not answer); ``unreachable`` for
+    an error of the network (an ``OSError``, such as a refused connection or
+    a timeout, or one of ZeroMQ's, such as its receive timeout); and
+    ``handshake`` for any other: a refusal of what prefill sent, ours
+    (``IncompatibleRemoteError``, naming the field) or upstream's (0.33's
+    compatibility-hash, engine-id and decoding checks raise ``RuntimeError``)."""
     named = getattr(error, REASON_ATTR, None)
     if isinstance(named, Reason):
         return named
-    if isinstance(error, IncompatibleRemoteError):
-        return Reason.HANDSHAKE
-    return Reason.UNREACHABLE
+    if isinstance(error, OSError) or _is_zmq_error(error):
+        return Reason.UNREACHABLE
+    return Reason.HANDSHAKE
+
+
+def _is_zmq_error(error: BaseException) -> bool:
+    """Whether ``error`` is one of pyzmq's (``zmq.ZMQError`` and its
+    subclasses, such as ``zmq.Again`` on a receive timeout), without
+    importing zmq here."""
+    return any(
+        cls.__module__.split(".")[0] == "zmq" and cls.__name__ == "ZMQError"
+        for cls in type(error).__mro__
+    )
 
 
 #: ``OutcomeCounts`` as vLLM's connector stats carry it (``as_data``): every

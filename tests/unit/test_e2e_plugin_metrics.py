@@ -94,3 +94,42 @@ def test_every_e2e_fault_has_its_classes():
 
 def test_delta_keeps_what_grew():
     assert plugin_metrics.delta({"a": 1, "b": 2}, {"a": 1, "b": 5, "c": 1}) == {"b": 3, "c": 1}
+
+
+class MetricsOnly:
+    """A decode engine as ``run._with_records`` sees it: /metrics only."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def get(self, path: str):
+        assert path == "/metrics"
+        return 200, self.text
+
+
+def test_a_fail_cell_whose_request_errored_is_judged_by_its_counters_too(monkeypatch):
+    """Under ``fail`` the broken request is answered with an error by design:
+    its cell is still judged (a cell skipped for its error left fail's
+    ``records_ok`` None in the first e2e run through real engines)."""
+    from vllm_nixl_hma.e2e import faults, run
+
+    monkeypatch.setattr(run, "RECORDS_WAIT_S", 0.0)
+    line = 'vllm:nixl_hma_decode_requests_total{{engine="0",outcome="{}",reason="{}"}} 1.0\n'
+    before = {"decode/read/none": 3}
+    cells = [
+        faults.FaultResult("side-channel-unreachable", "fail", ok=True, error='{"code": 500}'),
+        faults.FaultResult("lease-expired", "fail", ok=True, error='{"code": 500}'),
+    ]
+    right = MetricsOnly(
+        line.format("read", "none").replace("1.0", "3.0") + line.format("failed", "unreachable")
+    )
+    judged = run._with_records(
+        "side-channel-unreachable", cells[:1], {"fail": right}, {"fail": before}
+    )
+    assert judged[0].records == {"decode/failed/unreachable": 1}
+    assert judged[0].records_ok is True and judged[0].ok is True
+    wrong = MetricsOnly(
+        line.format("read", "none").replace("1.0", "3.0") + line.format("refused", "ticket")
+    )
+    judged = run._with_records("lease-expired", cells[1:], {"fail": wrong}, {"fail": before})
+    assert judged[0].records_ok is False and judged[0].ok is False

@@ -80,6 +80,16 @@ def test_a_fault_cell_is_judged_by_the_broken_requests_own_class():
     assert not plugin_metrics.fault_records_ok(
         "lease-expired", "fail", {"decode/read/none": 2}, False
     )
+    # under recompute the next request's recomputation may be counted beside
+    # the fault's own; under fail, or without the fault's own, it may not
+    both = {"decode/recomputed/lease": 1, "decode/recomputed/timeout": 1}
+    assert plugin_metrics.fault_records_ok("lease-expired", "recompute", both, False)
+    assert not plugin_metrics.fault_records_ok(
+        "lease-expired", "recompute", {"decode/recomputed/timeout": 1}, False
+    )
+    assert not plugin_metrics.fault_records_ok(
+        "lease-expired", "fail", {"decode/expired/lease": 1, "decode/failed/timeout": 1}, False
+    )
     # a flap may deliver the KV whole
     assert plugin_metrics.fault_records_ok(
         "prefill-link-flap", "fail", {"decode/read/none": 2}, True

@@ -221,3 +221,16 @@ def test_zmq_errors_are_unreachable_and_upstreams_own_refusals_are_handshake():
     hash_refusal = RuntimeError("NIXL compatibility hash mismatch. Local: a, Remote: b.")
     assert reason_of_handshake_error(hash_refusal) is Reason.HANDSHAKE
     assert reason_of_handshake_error(ValueError("bad metadata")) is Reason.HANDSHAKE
+
+
+def test_nixls_own_errors_in_a_handshake_are_transfer_failures():
+    """Loading prefill's agent with its data path cut raised NIXL's
+    ``nixlBackendError`` (NIXL_ERR_BACKEND) in the dense e2e run across
+    hosts: NIXL could not set up the read, not a refusal of prefill's record."""
+    from nixl import _bindings as bindings  # whichever wheel's (nixl_cu12, nixl_cu13)
+
+    assert reason_of_handshake_error(bindings.nixlBackendError("NIXL_ERR_BACKEND")) is (
+        Reason.TRANSFER
+    )
+    assert reason_of_handshake_error(bindings.nixlRemoteDisconnectError("x")) is Reason.TRANSFER
+    assert reason_of_handshake_error(RuntimeError("NIXL_ERR_BACKEND")) is Reason.HANDSHAKE

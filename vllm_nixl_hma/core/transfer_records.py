@@ -215,27 +215,36 @@ def reason_of_handshake_error(error: BaseException) -> Reason:
     """The reason a handshake that raised ``error`` failed: the error's own
     ``record_reason`` where it has one (``addresses``' refusals, a stock
     peer refused, a side channel that did not answer); ``unreachable`` for
-    an error of the network (an ``OSError``, such as a refused connection or
-    a timeout, or one of ZeroMQ's, such as its receive timeout); and
-    ``handshake`` for any other: a refusal of what prefill sent, ours
-    (``IncompatibleRemoteError``, naming the field) or upstream's (0.33's
-    compatibility-hash, engine-id and decoding checks raise ``RuntimeError``)."""
+    an error of the side channel's network (an ``OSError``, such as a
+    refused connection or a timeout, or one of ZeroMQ's, such as its receive
+    timeout); ``transfer`` for one of NIXL's (loading prefill's agent failed
+    in NIXL's backend: UCX could not reach prefill's data path, as when only
+    that network is cut); and ``handshake`` for any other: a refusal of what
+    prefill sent, ours (``IncompatibleRemoteError``, naming the field) or
+    upstream's (0.33's compatibility-hash, engine-id and decoding checks
+    raise ``RuntimeError``)."""
     named = getattr(error, REASON_ATTR, None)
     if isinstance(named, Reason):
         return named
-    if isinstance(error, OSError) or _is_zmq_error(error):
+    if isinstance(error, OSError) or _raised_by(error, "zmq"):
         return Reason.UNREACHABLE
+    if _raised_by(error, "nixl"):
+        return Reason.TRANSFER
     return Reason.HANDSHAKE
 
 
-def _is_zmq_error(error: BaseException) -> bool:
-    """Whether ``error`` is one of pyzmq's (``zmq.ZMQError`` and its
-    subclasses, such as ``zmq.Again`` on a receive timeout), without
-    importing zmq here."""
-    return any(
-        cls.__module__.split(".")[0] == "zmq" and cls.__name__ == "ZMQError"
-        for cls in type(error).__mro__
-    )
+def _raised_by(error: BaseException, package: str) -> bool:
+    """Whether ``error`` is an exception class of ``package`` (pyzmq's
+    ``zmq.ZMQError`` and subclasses such as ``zmq.Again``; NIXL's
+    ``nixl*Error`` from ``nixl._bindings``, ``nixl_cu12._bindings`` or
+    ``nixl_cu13._bindings``, by the wheel), without importing either here."""
+    for cls in type(error).__mro__:
+        top = cls.__module__.split(".")[0]
+        if package == "zmq" and top == "zmq" and cls.__name__ == "ZMQError":
+            return True
+        if package == "nixl" and top.startswith("nixl") and cls.__name__.startswith("nixl"):
+            return True
+    return False
 
 
 #: ``OutcomeCounts`` as vLLM's connector stats carry it (``as_data``): every

@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
+# before vLLM is imported: the conv-state layout P/D needs (its Mamba reads)
+os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 sys.path.insert(0, str(ROOT))
 
 BATCH = 8

@@ -262,8 +262,9 @@ def build_live_read_path(
         derive_state_split,
     )
 
-    # as vLLM 0.21.0 configures its agents with UCX alone
-    config = nixl_agent_config(num_threads=nixl_threads)
+    # as vLLM 0.21.0 configures its agents with UCX alone, telemetry captured
+    # (its _pop_done_transfers reads each finished read's telemetry)
+    config = nixl_agent_config(num_threads=nixl_threads, capture_telemetry=True)
     decode_name = f"decode-{uuid.uuid4()}"
     if issubclass(worker_cls, NixlHMAConnectorWorker):
         decode_agent = build_nixl_agent(nixl_agent, decode_name, config, DEFAULT_SPLIT_BATCH_SIZE)

@@ -11,6 +11,8 @@ The JSON lines go to the logger ``vllm.vllm_nixl_hma.transfers`` at INFO,
 only when ``kv_connector_extra_config`` has ``"transfer_records": true``
 (the counts are always kept): one ``decode_read`` line per request and
 decode TP rank, one ``prefill_served`` line per request and prefill TP rank.
+The step thread only collects a step's records and queues them at once;
+``record_log``'s thread makes the JSON lines and writes them.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.logger import init_logger
 
@@ -32,8 +33,15 @@ from vllm_nixl_hma.core.transfer_records import (
     outcome_of,
     reason_of_handshake_error,
 )
+from vllm_nixl_hma.record_log import RecordLog
 
-__all__ = ["RECORDS_LOGGER", "RequestRecords021", "RequestRecords033", "records_enabled"]
+__all__ = [
+    "RECORD_LOG",
+    "RECORDS_LOGGER",
+    "RequestRecords021",
+    "RequestRecords033",
+    "records_enabled",
+]
 
 RECORDS_LOGGER = "vllm.vllm_nixl_hma.transfers"
 #: ``kv_connector_extra_config`` key that turns the JSON lines on
@@ -41,6 +49,8 @@ EXTRA_CONFIG_KEY = "transfer_records"
 
 logger = init_logger(f"vllm.{__name__}")
 records_logger = init_logger(RECORDS_LOGGER)
+#: the process's writer of records' JSON lines (``record_log``)
+RECORD_LOG = RecordLog(records_logger)
 
 
 def records_enabled(extra_config: Any) -> bool:
@@ -53,20 +63,81 @@ def records_enabled(extra_config: Any) -> bool:
     return value
 
 
-@dataclass
 class _Reads:
-    """What one request's reads on this rank came to so far."""
+    """What one request's reads on this rank came to so far: noted by the
+    step thread as cheaply as it can (``_note_read``, ``_add_telemetry``);
+    the writer thread turns it into a record's fields (``_decode_record``)."""
 
-    engine_id: str
-    remote_ranks: set[int] = field(default_factory=set)
-    groups: int = 0
-    kernel_blocks: int = 0
-    descriptors: int = 0
-    bytes_read: int = 0
-    posted_at_s: float | None = None
-    post_s: float = 0.0
-    transfer_s: float = 0.0
-    transfers: int = 0
+    __slots__ = (
+        "engine_id", "posted_at_s", "posted", "post_s", "transfer_s", "bytes_read",
+        "descriptors", "transfers",
+    )  # fmt: skip
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.posted_at_s = time.time()
+        #: per read posted: (remote TP rank, local kernel block ids per group
+        #: as upstream's ``ReadSpec`` has them; lists nothing changes once read)
+        self.posted: list[tuple[int, Any]] = []
+        self.post_s = 0.0
+        self.transfer_s = 0.0
+        self.bytes_read = 0
+        self.descriptors = 0
+        self.transfers = 0
+
+
+class _FinishedRead(NamedTuple):
+    """What the step thread knows of a request it finished receiving; the
+    records' writer thread makes the ``DecodeRecord`` (``to_json``)."""
+
+    request_id: str
+    outcome: Outcome
+    reason: Reason
+    engine_id: str | None
+    host: str | None
+    local_tp_rank: int
+    reads: _Reads | None
+    detail: str | None
+
+    def record(self) -> DecodeRecord:
+        reads = self.reads
+        refused = self.outcome is Outcome.REFUSED or (
+            self.outcome is Outcome.RECOMPUTED and reads is None
+        )
+        if reads is None:
+            return DecodeRecord(
+                request_id=self.request_id,
+                outcome=self.outcome,
+                reason=self.reason,
+                remote_engine_id=self.engine_id,
+                remote_host=self.host,
+                local_tp_rank=self.local_tp_rank,
+                detail=self.detail,
+            )
+        kernel_blocks = groups = 0
+        for _, kernel_block_ids in reads.posted:  # the local kernel blocks of each read
+            kernel_blocks += sum(len(ids) for ids in kernel_block_ids)
+            groups = max(groups, sum(1 for ids in kernel_block_ids if len(ids)))
+        return DecodeRecord(
+            request_id=self.request_id,
+            outcome=self.outcome,
+            reason=self.reason,
+            remote_engine_id=self.engine_id,
+            remote_host=self.host,
+            local_tp_rank=self.local_tp_rank,
+            remote_tp_ranks=tuple(sorted({int(rank) for rank, _ in reads.posted})),
+            groups=groups,
+            kernel_blocks=kernel_blocks,
+            descriptors=0 if refused else reads.descriptors,
+            bytes_read=0 if refused else reads.bytes_read,
+            posted_at_s=reads.posted_at_s,
+            post_s=reads.post_s if reads.transfers else None,
+            transfer_s=reads.transfer_s if reads.transfers else None,
+            detail=self.detail,
+        )
+
+    def to_json(self) -> str:
+        return self.record().to_json()
 
 
 #: requests whose notifications are kept at most (the oldest go first)
@@ -132,15 +203,7 @@ class RequestRecords:
         reads = self._reads_by_request.get(request_id)
         if reads is None:
             reads = self._reads_by_request[request_id] = _Reads(str(dst_engine_id))
-            reads.posted_at_s = time.time()
-        reads.remote_ranks.add(int(read_spec.remote_rank))
-        kinds = getattr(self, "_group_kinds", ())
-        ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
-        for index, ids in enumerate(read_spec.local_block_ids or ()):
-            attention = index >= len(kinds) or kinds[index].is_attention
-            reads.kernel_blocks += len(ids) * (ratio if attention else 1)
-        groups_read = sum(1 for ids in read_spec.local_block_ids or () if len(ids))
-        reads.groups = max(reads.groups, groups_read)
+        reads.posted.append((read_spec.remote_rank, read_spec.local_block_ids or ()))
 
     @contextlib.contextmanager
     def _noting_handshake_failure(self, engine_id: object) -> Iterator[None]:
@@ -166,48 +229,69 @@ class RequestRecords:
             if failure is not None:
                 self._note_not_read(request_id, *failure)
 
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
-        """Upstream's ``_pop_done_transfers`` one request at a time, so that
-        the NIXL telemetry it records for each finished read (vLLM's
-        ``xfer_stats.record_transfer``) is known to be this request's."""
-        stats = getattr(self, "xfer_stats", None)
-        data = getattr(stats, "data", None)
-        durations = data.get("transfer_duration") if isinstance(data, dict) else None
-        if not isinstance(durations, list):  # not vLLM's NIXL stats: nothing to attribute
-            return super()._pop_done_transfers(transfers)
-        results: list[Any] = []
-        for request_id in list(transfers):
-            one = {request_id: transfers[request_id]}
-            first = len(durations)
-            results.append(super()._pop_done_transfers(one))
-            if request_id in one:
-                transfers[request_id] = one[request_id]
-            else:
-                del transfers[request_id]
-            if len(durations) > first:
-                self._add_telemetry(request_id, stats.data, first)
-        if not results:
-            return super()._pop_done_transfers(transfers)
-        if isinstance(results[0], tuple):  # 0.33: (done, failed)
-            return set().union(*(r[0] for r in results)), set().union(*(r[1] for r in results))
-        return set().union(*results)
+    def _watch_telemetry(self) -> list[tuple[Any, Any]]:
+        """Have this worker's NIXL agent note, in call order, each handle
+        whose telemetry it returns (upstream's ``_pop_done_transfers`` asks
+        once per finished read) with that telemetry. Once per agent, on first
+        use (a worker built without its constructor is watched too)."""
+        wrapper = self.nixl_wrapper
+        noted = self.__dict__.get("_telemetry_noted")
+        if noted is not None and self.__dict__.get("_telemetry_agent") is wrapper:
+            return noted
+        noted = self.__dict__["_telemetry_noted"] = []
+        self.__dict__["_telemetry_agent"] = wrapper
+        original = wrapper.get_xfer_telemetry
 
-    def _add_telemetry(self, request_id: str, data: dict, first: int) -> None:
-        reads = self._reads_by_request.get(request_id)
+        def get_xfer_telemetry(handle: Any) -> Any:
+            telemetry = original(handle)
+            noted.append((handle, telemetry))
+            return telemetry
+
+        wrapper.get_xfer_telemetry = get_xfer_telemetry
+        return noted
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
+        """Upstream's ``_pop_done_transfers``, once for all requests as
+        upstream calls it; each finished read's NIXL telemetry (what
+        upstream records in ``xfer_stats``) is added to the request that
+        posted its handle, known from ``transfers`` before the call."""
+        if not transfers:
+            return super()._pop_done_transfers(transfers)
+        noted = self._watch_telemetry()
+        noted.clear()
+        owner = {id(handle): request_id for request_id, hs in transfers.items() for handle in hs}
+        try:
+            return super()._pop_done_transfers(transfers)
+        finally:
+            for handle, telemetry in noted:
+                self._add_telemetry(owner.get(id(handle)), telemetry)
+            noted.clear()
+
+    def _add_telemetry(self, request_id: str | None, telemetry: Any) -> None:
+        """One finished read's NIXL telemetry (µs and counts, as NIXL's
+        ``nixlXferTelemetry`` has them) added to ``request_id``'s reads."""
+        reads = self._reads_by_request.get(request_id) if request_id is not None else None
         if reads is None:
             return
-        reads.transfer_s += float(sum(data["transfer_duration"][first:]))
-        reads.post_s += float(sum(data["post_duration"][first:]))
-        reads.bytes_read += int(sum(data["bytes_transferred"][first:]))
-        reads.descriptors += int(sum(data["num_descriptors"][first:]))
-        reads.transfers += len(data["transfer_duration"]) - first
+        try:
+            transfer_us = float(telemetry.xferDuration)
+            post_us = float(telemetry.postDuration)
+            nbytes = int(telemetry.totalBytes)
+            descriptors = int(telemetry.descCount)
+        except (AttributeError, TypeError, ValueError):  # not NIXL's telemetry
+            return
+        reads.transfer_s += transfer_us / 1e6
+        reads.post_s += post_us / 1e6
+        reads.bytes_read += nbytes
+        reads.descriptors += descriptors
+        reads.transfers += 1
 
     def _record_received(self, request_id: str, meta: Any, failed: bool) -> None:
-        """The record of a request this rank finished receiving (or gave up)."""
+        """The record of a request this rank finished receiving (or gave up):
+        counted in the connector stats now; with records on, queued for the
+        writer thread, which makes the ``DecodeRecord`` and its JSON line."""
         reads = self._reads_by_request.pop(request_id, None)
         noted = self._not_read_reasons.pop(request_id, None)
-        remote = getattr(meta, "remote", None)
-        host = getattr(remote, "host", None)
         if noted is None and failed:
             noted = (Reason.TRANSFER, "the transfer failed")
         if noted is None:
@@ -215,36 +299,48 @@ class RequestRecords:
         else:
             reason, detail = noted
             outcome = outcome_of(reason, recompute=self._recompute_on_failure)
-        refused = outcome is Outcome.REFUSED or (outcome is Outcome.RECOMPUTED and reads is None)
-        engine_id = getattr(remote, "engine_id", None) or (reads.engine_id if reads else None)
-        record = DecodeRecord(
-            request_id=request_id,
-            outcome=outcome,
-            reason=reason,
-            remote_engine_id=engine_id,
-            remote_host=host,
-            local_tp_rank=int(getattr(self, "tp_rank", 0)),
-            remote_tp_ranks=tuple(sorted(reads.remote_ranks)) if reads else (),
-            groups=reads.groups if reads else 0,
-            kernel_blocks=reads.kernel_blocks if reads else 0,
-            descriptors=0 if refused or reads is None else reads.descriptors,
-            bytes_read=0 if refused or reads is None else reads.bytes_read,
-            posted_at_s=reads.posted_at_s if reads else None,
-            post_s=reads.post_s if reads and reads.transfers else None,
-            transfer_s=reads.transfer_s if reads and reads.transfers else None,
-            detail=detail,
-        )
-        self._emit(record)
-
-    def _emit(self, record: DecodeRecord | PrefillRecord) -> None:
         stats = getattr(self, "xfer_stats", None)
-        if isinstance(record, DecodeRecord):
-            if hasattr(stats, "record_request"):
-                stats.record_request(record)
-        elif hasattr(stats, "record_prefill_request"):
+        if hasattr(stats, "count_request"):
+            read = outcome is Outcome.READ and reads is not None
+            stats.count_request(
+                outcome,
+                reason,
+                reads.bytes_read if read else 0,
+                reads.transfer_s if read and reads.transfers else None,
+            )
+        if self._records_on:
+            remote = getattr(meta, "remote", None)
+            self._records_of_step.append(  # its record and JSON line: made off the step thread
+                _FinishedRead(
+                    request_id,
+                    outcome,
+                    reason,
+                    getattr(remote, "engine_id", None) or (reads.engine_id if reads else None),
+                    getattr(remote, "host", None),
+                    int(getattr(self, "tp_rank", 0)),
+                    reads,
+                    detail,
+                )
+            )
+
+    def _emit(self, record: PrefillRecord) -> None:
+        stats = getattr(self, "xfer_stats", None)
+        if hasattr(stats, "record_prefill_request"):
             stats.record_prefill_request(record)
         if self._records_on:
-            records_logger.info("transfer record %s", record.to_json())
+            self._records_of_step.append(record)
+
+    @functools.cached_property
+    def _records_of_step(self) -> list[Any]:
+        """Records finished since ``_write_records`` last ran."""
+        return []
+
+    def _write_records(self) -> None:
+        """Hand this step's records to the writer thread (``record_log``) at
+        once, at the end of the step's ``get_finished``."""
+        if self._records_of_step:
+            RECORD_LOG.put(self._records_of_step)
+            self.__dict__["_records_of_step"] = []
 
     # ------------------------------------------------------------ prefill side
 
@@ -319,6 +415,7 @@ class RequestRecords021(RequestRecords):
             )
             self._record_received(request_id, meta, failed)
         self._record_served(done_sending, self.__dict__.get("_notified_this_step", set()))
+        self._write_records()
         self._forget_gone_requests()
         return done_sending, done_recving
 
@@ -342,5 +439,6 @@ class RequestRecords033(RequestRecords):
         self._record_served(
             set(results.finished_sending), self.__dict__.get("_notified_this_step", set())
         )
+        self._write_records()
         self._forget_gone_requests()
         return results

@@ -122,7 +122,8 @@ class DecodeRecord:
     local_tp_rank: int = 0
     #: the prefill TP ranks this decode rank read from (or would have)
     remote_tp_ranks: tuple[int, ...] = ()
-    #: KV cache groups read, kernel blocks read (both sides' pairs) and NIXL descriptors posted
+    #: KV cache groups read, local kernel block ids handed to the reads (every group) and
+    #: NIXL descriptors moved (its telemetry)
     groups: int = 0
     kernel_blocks: int = 0
     descriptors: int = 0
@@ -199,6 +200,14 @@ def _shallow_row(record: Any) -> dict[str, Any]:
 
 def _key(outcome: Outcome, reason: Reason) -> str:
     return f"{outcome.value}/{reason.value}"
+
+
+#: {(outcome, reason): "outcome/reason"} for every allowed pair
+OUTCOME_KEYS = {
+    (outcome, reason): _key(outcome, reason)
+    for outcome, reasons in REASONS.items()
+    for reason in reasons
+}
 
 
 def outcome_of(reason: Reason, *, recompute: bool) -> Outcome:
@@ -280,7 +289,7 @@ class OutcomeCounts:
     prefill_freed: list[str] = field(default_factory=list)
 
     def add(self, record: DecodeRecord) -> None:
-        self.outcomes.append(_key(record.outcome, record.reason))
+        self.outcomes.append(OUTCOME_KEYS[record.outcome, record.reason])
         if record.outcome is Outcome.READ:
             self.bytes_read.append(record.bytes_read)
             if record.transfer_s is not None:

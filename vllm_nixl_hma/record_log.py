@@ -1,0 +1,124 @@
+"""Transfer records' JSON lines written off the step thread (#27).
+
+A worker's step thread hands the records it finished in one step (each with
+``to_json()``) to ``RecordLog.put``: one queue append. A daemon thread
+of the process turns the records into JSON and logs them, in the order they
+were put, through the records logger (``vllm.vllm_nixl_hma.transfers``, at
+INFO) and so through whatever handlers vLLM or the operator configured. Why
+a thread: building the JSON and Python ``logging``'s record, format and
+write cost tens of microseconds a record, which the step would otherwise
+pay for every request it reads (``benchmarks/records.py``).
+
+What an operator sees: the lines come a moment after the step that made
+them (the writer wakes when a record is put); a record's own
+``posted_at_s`` says when its read was posted. At exit the writer is given
+``EXIT_FLUSH_S`` to write what is queued. A child forked from a process
+whose writer runs starts its own writer (the queue is not shared).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+__all__ = ["EXIT_FLUSH_S", "RecordLog"]
+
+#: seconds the writer gets at interpreter exit to write what is queued
+EXIT_FLUSH_S = 2.0
+
+
+class _Flush:
+    """A marker put in the queue: set once every record before it is written."""
+
+    def __init__(self) -> None:
+        self.written = threading.Event()
+
+
+_STOP = object()
+
+
+class RecordLog:
+    """Records in, JSON lines out through ``records_logger`` on a writer thread."""
+
+    def __init__(self, records_logger: logging.Logger | Any, message: str = "transfer record %s"):
+        self._logger = records_logger
+        self._message = message
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._exit_hook = False
+        #: CPU seconds the writer thread spent writing records (all writers of this object)
+        self.writer_cpu_s = 0.0
+        self.written = 0
+
+    def put(self, records: list[Any]) -> None:
+        """Queue ``records`` (each has ``to_json()``) to be written, in order:
+        one queue append, one wake of the writer, however many records."""
+        if not records:
+            return
+        if self._thread is None or self._pid != os.getpid():
+            self._start()
+        self._queue.put(records)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every record put before this call is written; False if
+        ``timeout_s`` ran out first."""
+        if self._thread is None or self._pid != os.getpid():
+            return True  # nothing was put in this process
+        marker = _Flush()
+        self._queue.put(marker)
+        return marker.written.wait(timeout_s)
+
+    def close(self, timeout_s: float = EXIT_FLUSH_S) -> bool:
+        """Write what is queued (up to ``timeout_s``) and stop the writer; a
+        later ``put`` starts a new one."""
+        with self._lock:
+            thread = self._thread
+            if thread is None or self._pid != os.getpid():
+                return True
+            self._queue.put(_STOP)
+            thread.join(timeout_s)
+            self._thread = None
+            return not thread.is_alive()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's writer is not ours
+                self._queue = queue.SimpleQueue()
+                self._thread = None
+                self._pid = os.getpid()
+                self._exit_hook = False
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(
+                target=self._write, args=(self._queue,), name="nixl-hma-records", daemon=True
+            )
+            self._thread.start()
+            if not self._exit_hook:
+                atexit.register(self.close)
+                self._exit_hook = True
+
+    def _write(self, records: queue.SimpleQueue) -> None:
+        while True:
+            batch = records.get()
+            if batch is _STOP:
+                return
+            if isinstance(batch, _Flush):
+                batch.written.set()
+                continue
+            started = time.thread_time()
+            for record in batch:
+                try:
+                    self._logger.info(self._message, record.to_json())
+                    self.written += 1
+                except Exception:  # a record that cannot be written must not stop the rest
+                    logging.getLogger(__name__).exception(
+                        "NixlHMAConnector: a transfer record was not written"
+                    )
+            self.writer_cpu_s += time.thread_time() - started

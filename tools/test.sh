@@ -76,7 +76,7 @@ if [ "${E2E:-1}" != 0 ]; then
     tests/unit/test_handshake.py tests/unit/test_lease_rules.py tests/unit/test_state_reads.py \
     tests/unit/test_addresses.py tests/unit/test_progress_thread.py tests/unit/test_tickets.py \
     tests/unit/test_listener.py tests/unit/test_positions.py tests/unit/test_e2e_conversation.py \
-    tests/unit/test_transfer_records.py tests/unit/test_transfer_stats.py \
+    tests/unit/test_transfer_records.py tests/unit/test_transfer_stats.py tests/unit/test_record_log.py \
     tests/unit/test_side_channel.py tests/integration/test_decode_hit_scheduler.py \
     tests/unit/test_import_cost.py tests/unit/test_proxy.py tests/unit/test_upstream_contract.py \
     tests/v033 tests/upstream

@@ -66,7 +66,7 @@ def records_enabled(extra_config: Any) -> bool:
 class _Reads:
     """What one request's reads on this rank came to so far: noted by the
     step thread as cheaply as it can (``_note_read``, ``_add_telemetry``);
-    the writer thread turns it into a record's fields (``_decode_record``)."""
+    the writer thread turns it into a record's fields (``_FinishedRead.record``)."""
 
     __slots__ = (
         "engine_id", "posted_at_s", "posted", "post_s", "transfer_s", "bytes_read",

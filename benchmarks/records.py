@@ -86,21 +86,6 @@ def _wait_untimed(worker, request_ids, timeout_s: float = 60.0) -> None:
                     raise TimeoutError(f"{request_id} still in flight after {timeout_s} s")
 
 
-def _meta(request_id: str):
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
-
-    from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE
-
-    return ReqMeta(
-        local_block_ids=[],
-        local_physical_block_ids=[],
-        tp_size=1,
-        remote=RemoteMeta(
-            block_ids=[], host="127.0.0.1", port=1, engine_id=REMOTE_ENGINE, request_id=request_id
-        ),
-    )
-
-
 def _step(live, batch, records: bool) -> tuple[float, float]:
     """One step's worth: post the batch's reads, (untimed) wait, take them,
     and with ``records`` count each request and hand its record over as
@@ -108,7 +93,7 @@ def _step(live, batch, records: bool) -> tuple[float, float]:
     time and its CPU time."""
     worker = live.worker
     ids = [request_id for request_id, _, _ in batch]
-    metas = {request_id: _meta(request_id) for request_id in ids}  # the engine's, made before
+    metas = {request_id: live.meta(request_id) for request_id in ids}  # the engine's, made before
     started, started_cpu = time.perf_counter(), time.thread_time()
     for request_id, local, remote in batch:
         live.read(request_id, local, remote)

@@ -100,24 +100,6 @@ class _FinishedRead(NamedTuple):
     detail: str | None
 
     def record(self) -> DecodeRecord:
-        reads = self.reads
-        refused = self.outcome is Outcome.REFUSED or (
-            self.outcome is Outcome.RECOMPUTED and reads is None
-        )
-        if reads is None:
-            return DecodeRecord(
-                request_id=self.request_id,
-                outcome=self.outcome,
-                reason=self.reason,
-                remote_engine_id=self.engine_id,
-                remote_host=self.host,
-                local_tp_rank=self.local_tp_rank,
-                detail=self.detail,
-            )
-        kernel_blocks = groups = 0
-        for _, kernel_block_ids in reads.posted:  # the local kernel blocks of each read
-            kernel_blocks += sum(len(ids) for ids in kernel_block_ids)
-            groups = max(groups, sum(1 for ids in kernel_block_ids if len(ids)))
         return DecodeRecord(
             request_id=self.request_id,
             outcome=self.outcome,
@@ -125,16 +107,29 @@ class _FinishedRead(NamedTuple):
             remote_engine_id=self.engine_id,
             remote_host=self.host,
             local_tp_rank=self.local_tp_rank,
-            remote_tp_ranks=tuple(sorted({int(rank) for rank, _ in reads.posted})),
-            groups=groups,
-            kernel_blocks=kernel_blocks,
-            descriptors=0 if refused else reads.descriptors,
-            bytes_read=0 if refused else reads.bytes_read,
-            posted_at_s=reads.posted_at_s,
-            post_s=reads.post_s if reads.transfers else None,
-            transfer_s=reads.transfer_s if reads.transfers else None,
             detail=self.detail,
+            **(self._read_fields() if self.reads is not None else {}),
         )
+
+    def _read_fields(self) -> dict[str, Any]:
+        """The record's fields from what was read (a refused request's reads
+        posted nothing: its descriptors and bytes stay 0)."""
+        reads = self.reads
+        kernel_blocks = groups = 0
+        for _, kernel_block_ids in reads.posted:  # the local kernel blocks of each read
+            kernel_blocks += sum(len(ids) for ids in kernel_block_ids)
+            groups = max(groups, sum(1 for ids in kernel_block_ids if len(ids)))
+        refused = self.outcome is Outcome.REFUSED
+        return {
+            "remote_tp_ranks": tuple(sorted({int(rank) for rank, _ in reads.posted})),
+            "groups": groups,
+            "kernel_blocks": kernel_blocks,
+            "descriptors": 0 if refused else reads.descriptors,
+            "bytes_read": 0 if refused else reads.bytes_read,
+            "posted_at_s": reads.posted_at_s,
+            "post_s": reads.post_s if reads.transfers else None,
+            "transfer_s": reads.transfer_s if reads.transfers else None,
+        }
 
     def to_json(self) -> str:
         return self.record().to_json()

@@ -43,7 +43,6 @@ from vllm_nixl_hma.core.transfer_records import (
     DECODE_OUTCOMES,
     DECODE_TRANSFER_S,
     FREED_BY,
-    OUTCOME_KEYS,
     PREFILL_FREED,
     REASONS,
     DecodeRecord,
@@ -96,23 +95,13 @@ class NixlHMAKVConnectorStats(NixlKVConnectorStats):
         )
 
     def record_request(self, record: DecodeRecord) -> None:
-        self.count_request(record.outcome, record.reason, record.bytes_read, record.transfer_s)
+        self._lists().add(record)
 
     def count_request(
         self, outcome: Outcome, reason: Reason, bytes_read: int, transfer_s: float | None
     ) -> None:
         """``record_request`` without a record (decode's step counts this way)."""
-        key = OUTCOME_KEYS.get((outcome, reason))
-        if key is None:  # not an allowed pair: refused as a record refuses it
-            DecodeRecord(str(outcome), outcome, reason)
-        data = self.data
-        if DECODE_OUTCOMES not in data:
-            self._lists()
-        data[DECODE_OUTCOMES].append(key)
-        if outcome is Outcome.READ:
-            data[DECODE_BYTES].append(bytes_read)
-            if transfer_s is not None:
-                data[DECODE_TRANSFER_S].append(transfer_s)
+        self._lists().count(outcome, reason, bytes_read, transfer_s)
 
     def record_prefill_request(self, record: PrefillRecord) -> None:
         self._lists().add_prefill(record)

@@ -12,7 +12,6 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
 
 from vllm_nixl_hma import NixlHMAConnectorWorker
 from vllm_nixl_hma.harness.read_path import REMOTE_ENGINE, build_live_read_path
@@ -58,17 +57,6 @@ def record_lines():
     records_logger.setLevel(level)
 
 
-def _meta(request_id: str) -> ReqMeta:
-    return ReqMeta(
-        local_block_ids=[],
-        local_physical_block_ids=[],
-        tp_size=1,
-        remote=RemoteMeta(
-            block_ids=[], host="127.0.0.1", port=1, engine_id=REMOTE_ENGINE, request_id=request_id
-        ),
-    )
-
-
 def test_each_request_of_a_step_gets_its_own_reads_telemetry(record_lines):
     live = build_live_read_path(
         NixlHMAConnectorWorker,
@@ -95,7 +83,7 @@ def test_each_request_of_a_step_gets_its_own_reads_telemetry(record_lines):
         done = worker._pop_done_transfers(worker._recving_transfers)  # one call, as a step
         assert done == set(REQUESTS)
         for request_id in REQUESTS:
-            worker._record_received(request_id, _meta(request_id), failed=False)
+            worker._record_received(request_id, live.meta(request_id), failed=False)
         worker._write_records()
         assert RECORD_LOG.flush(30)
         nixl_bytes = sum(worker.xfer_stats.data["bytes_transferred"])

@@ -289,11 +289,20 @@ class OutcomeCounts:
     prefill_freed: list[str] = field(default_factory=list)
 
     def add(self, record: DecodeRecord) -> None:
-        self.outcomes.append(OUTCOME_KEYS[record.outcome, record.reason])
-        if record.outcome is Outcome.READ:
-            self.bytes_read.append(record.bytes_read)
-            if record.transfer_s is not None:
-                self.transfer_s.append(record.transfer_s)
+        self.count(record.outcome, record.reason, record.bytes_read, record.transfer_s)
+
+    def count(
+        self, outcome: Outcome, reason: Reason, bytes_read: int, transfer_s: float | None
+    ) -> None:
+        """One decode request, as ``add`` counts its record, without one."""
+        key = OUTCOME_KEYS.get((outcome, reason))
+        if key is None:
+            _check_outcome(outcome, reason)  # raises, naming the pair
+        self.outcomes.append(key)
+        if outcome is Outcome.READ:
+            self.bytes_read.append(bytes_read)
+            if transfer_s is not None:
+                self.transfer_s.append(transfer_s)
 
     def add_prefill(self, record: PrefillRecord) -> None:
         self.prefill_freed.append(record.freed_by)

@@ -172,28 +172,31 @@ class LiveReadPath:
     remote_caches: list
     registrations: list  # (agent, registered descriptors)
 
-    def read(self, request_id: str, local_ids, remote_ids) -> None:
-        """Decode's read path for one request (logical ids per group on each
-        side), from metadata to the posted transfer."""
+    def meta(self, request_id: str, local_ids=(), remote_ids=()) -> Any:
+        """vLLM's ``ReqMeta`` of a request read from the prefill rank here
+        (logical ids per group on each side; none: as decode holds it once read)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             RemoteMeta,
             ReqMeta,
         )
 
-        meta = ReqMeta(
-            local_block_ids=local_ids,
-            local_physical_block_ids=[],
+        return ReqMeta(
+            local_block_ids=list(local_ids),
+            local_physical_block_ids=self.worker._logical_to_kernel_block_ids(list(local_ids)),
             tp_size=1,
             remote=RemoteMeta(
-                block_ids=remote_ids,
+                block_ids=list(remote_ids),
                 host="127.0.0.1",
                 port=1,
                 engine_id=REMOTE_ENGINE,
                 request_id=f"prefill-{request_id}",
             ),
         )
-        meta.local_physical_block_ids = self.worker._logical_to_kernel_block_ids(local_ids)
-        self.worker._read_blocks_for_req(request_id, meta)
+
+    def read(self, request_id: str, local_ids, remote_ids) -> None:
+        """Decode's read path for one request (logical ids per group on each
+        side), from metadata to the posted transfer."""
+        self.worker._read_blocks_for_req(request_id, self.meta(request_id, local_ids, remote_ids))
 
     def wait(self, request_id: str, timeout_s: float = 60.0) -> None:
         """Wait for the request's reads, then release them."""

@@ -16,7 +16,7 @@ writes it as a JSON line (here to a file, as an engine's log goes to one).
 One real worker of ours (vLLM 0.21.0, real NIXL agents over UCX on loopback,
 ``harness.read_path.build_live_read_path``: decode TP 1 reads prefill TP 1),
 batches of ``BATCH`` requests per step, on the same requests in one run, in
-three modes whose order rotates from step to step: records on, records off
+three modes whose order changes from step to step (``ORDERS``): records on, records off
 (the worker's own methods without the records mixin) and off again (``off2``:
 the same code as off, whose ratio to off is this machine's noise floor).
 Stock vLLM 0.21.0's worker runs the same requests after it, alone. The wait
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import math
@@ -56,9 +57,19 @@ BATCH = 8
 #: the rest of a decode step, untimed: the forward pass, during which the step
 #: thread waits on the accelerator without the GIL (a few ms for a batch of 8)
 FORWARD_S = 0.005
-#: the modes of one step, in the order of step 0 (it rotates from step to step)
+#: the modes of one step
 MODES = ("on", "off", "off2")
+#: their orders, one per step in turn: each mode runs in each place and after
+#: each other mode equally often (what one mode leaves behind, such as the
+#: writer's work, falls on each of the others alike)
+ORDERS = tuple(itertools.permutations(MODES))
 KERNEL_BLOCK_TOKENS = 16
+#: both agents' progress threads wait this long between polls (NIXL's own, 0,
+#: spins a core per agent: on a GPU server each worker's progress thread has
+#: one to itself; on 2 CPUs two spinning threads would take the step thread's)
+PROGRESS_DELAY_US = 1000
+#: stock's steps at most (it is 10 to 20 times slower and not in the bound)
+STOCK_STEPS = 20
 LAYOUTS = {"dense": ["full_attention"], "hybrid": ["full_attention", "mamba"]}
 PAGE_BYTES = {"dense": 64, "hybrid": 256}
 
@@ -132,18 +143,34 @@ def _records_on(worker) -> None:
         worker.__dict__.pop(name, None)
 
 
+def _ratios(seconds: dict[str, list[float]], mode: str, base: str = "off") -> list[float]:
+    """``mode``'s time over ``base``'s, step by step: both ran on the same
+    requests one after the other, so a slow spell of the machine (NIXL's and
+    UCX's threads share its cores) weighs on both."""
+    return [a / b for a, b in zip(seconds[mode], seconds[base], strict=True)]
+
+
 def _paired_ratio(seconds: dict[str, list[float]], mode: str, base: str = "off") -> float:
-    """Median over steps of ``mode``'s time over ``base``'s in the same step:
-    both ran on the same requests one after the other, so a slow spell of
-    the machine (NIXL's and UCX's threads share its cores) weighs on both."""
-    return statistics.median(a / b for a, b in zip(seconds[mode], seconds[base], strict=True))
+    """The median over steps of ``_ratios``."""
+    return statistics.median(_ratios(seconds, mode, base))
+
+
+def _median_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A 95 % confidence interval of the median of ``values`` (independent
+    draws; distribution-free: the order statistics ``z`` standard errors of
+    a binomial count either side of the middle)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    k = max(0, math.floor((n - z * math.sqrt(n)) / 2))
+    return ordered[k], ordered[min(n - 1, n - 1 - k)]
 
 
 def _steps(tokens: int, quick: bool) -> int:
-    """Steps per mode: many for the small requests, whose ratio the noise
-    of a shared machine decides otherwise; fewer for the large ones."""
-    steps = max(15, min(240, 240 * 2048 // tokens))
-    return max(10, steps // 3) if quick else steps
+    """Steps per mode: many for the small requests, whose steps are short and
+    their ratio the noisiest; at least 60, so every cell's median has a
+    narrow interval."""
+    steps = max(60, min(240, 240 * 2048 // tokens))
+    return 18 if quick else steps
 
 
 def case(layout: str, tokens: int, ratio: int, layers: int, steps: int, seed: int) -> dict:
@@ -164,7 +191,7 @@ def case(layout: str, tokens: int, ratio: int, layers: int, steps: int, seed: in
     for name, cls in (("ours", NixlHMAConnectorWorker), ("stock", NixlConnectorWorker)):
         live = build_live_read_path(
             cls, kinds, ratio, layers=layers, logical_blocks=2 * logical + 16,
-            page_bytes=PAGE_BYTES[layout],
+            page_bytes=PAGE_BYTES[layout], progress_delay_us=PROGRESS_DELAY_US,
         )  # fmt: skip
         gc.collect()
         gc.freeze()  # as vLLM freezes its heap once started (``freeze_gc_heap``)
@@ -177,7 +204,7 @@ def case(layout: str, tokens: int, ratio: int, layers: int, steps: int, seed: in
                     kv_connector_extra_config={"transfer_records": True},
                     kv_load_failure_policy="fail",
                 )
-            for step in range(steps):
+            for step in range(min(steps, STOCK_STEPS) if name == "stock" else steps):
                 batch = [(f"{name}-{step}-{i}", *requests[step * BATCH + i]) for i in range(BATCH)]
                 if name == "stock":
                     wall_s, cpu_s = _step(live, batch, records=False)
@@ -185,8 +212,7 @@ def case(layout: str, tokens: int, ratio: int, layers: int, steps: int, seed: in
                     cpu_seconds["stock"].append(cpu_s)
                     continue
                 # the modes take turns, each step a fresh batch of the same requests
-                order = MODES[step % len(MODES) :] + MODES[: step % len(MODES)]
-                for mode in order:
+                for mode in ORDERS[step % len(ORDERS)]:
                     (_records_on if mode == "on" else _records_off)(worker)
                     tagged = [(f"{rid}-{mode}", local, remote) for rid, local, remote in batch]
                     wall_s, cpu_s = _step(live, tagged, records=mode == "on")
@@ -211,8 +237,15 @@ def case(layout: str, tokens: int, ratio: int, layers: int, steps: int, seed: in
         "us_per_request_stock": round(us["stock"], 1),
         # the bound: on over off step by step, median
         "on_over_off": round(_paired_ratio(seconds, "on"), 3),
+        "on_over_off_95": [round(r, 3) for r in _median_interval(_ratios(seconds, "on"))],
         # the same code twice: how far apart two modes land on this machine by chance
         "off2_over_off": round(_paired_ratio(seconds, "off2"), 3),
+        "off2_over_off_95": [round(r, 3) for r in _median_interval(_ratios(seconds, "off2"))],
+        # as if the writer thread's CPU per record fell on the step thread (it runs
+        # while the step waits: here the forward's stand-in, in an engine the GPU)
+        "on_with_writer_over_off": round(
+            (us["on"] + writer_cpu_s / max(written, 1) * 1e6) / us["off"], 3
+        ),
         "on_over_stock": round(us["on"] / us["stock"], 3),
         # the step thread's CPU time alone (what it spent, not what it waited for)
         "cpu_us_per_request_off": round(cpu_us["off"], 1),
@@ -251,14 +284,23 @@ def main(argv=None) -> int:
     lines = sum(1 for _ in open(log_file.name))  # noqa: SIM115
     Path(log_file.name).unlink()
     columns = ("layout", "tokens", "ratio", "us_per_request_off", "us_per_request_on",
-               "us_per_request_stock", "on_over_off", "off2_over_off", "cpu_on_over_off",
-               "cpu_off2_over_off", "on_over_stock", "writer_cpu_us_per_record")  # fmt: skip
+               "us_per_request_stock", "on_over_off", "on_over_off_95", "off2_over_off",
+               "off2_over_off_95", "cpu_on_over_off", "cpu_off2_over_off", "on_over_stock",
+               "writer_cpu_us_per_record", "on_with_writer_over_off")  # fmt: skip
     print(" ".join(f"{c[:14]:>14}" for c in columns), file=sys.stderr)
     for row in rows:
-        print(" ".join(f"{row[c]!s:>14}" for c in columns), file=sys.stderr)
+        cells = (row[c] if not isinstance(row[c], list) else "-".join(map(str, row[c]))
+                 for c in columns)  # fmt: skip
+        print(" ".join(f"{cell!s:>14}" for cell in cells), file=sys.stderr)
     print(f"[records] {lines} JSON lines written; batch {BATCH} requests per step", file=sys.stderr)
     if args.json:
-        report = {"batch": BATCH, "forward_s": FORWARD_S, "records_written": lines, "rows": rows}
+        report = {
+            "batch": BATCH,
+            "forward_s": FORWARD_S,
+            "progress_delay_us": PROGRESS_DELAY_US,
+            "records_written": lines,
+            "rows": rows,
+        }
         print(json.dumps(report), file=json_stream)
     json_stream.close()
     return 0

@@ -1,35 +1,40 @@
 """Transfer records' JSON lines written off the step thread (#27).
 
 A worker's step thread hands the records it finished in one step (each with
-``to_json()``) to ``RecordLog.put``: one queue append. A daemon thread
-of the process turns the records into JSON and logs them, in the order they
-were put, through the records logger (``vllm.vllm_nixl_hma.transfers``, at
-INFO) and so through whatever handlers vLLM or the operator configured. Why
-a thread: building the JSON and Python ``logging``'s record, format and
-write cost tens of microseconds a record, which the step would otherwise
-pay for every request it reads (``benchmarks/records.py``).
+``to_json()``) to ``RecordLog.put``: one append to a deque, which wakes
+nothing. A daemon thread of the process wakes every ``DRAIN_INTERVAL_S``,
+turns what was queued into JSON and logs it, in the order it was put,
+through the records logger (``vllm.vllm_nixl_hma.transfers``, at INFO) and
+so through whatever handlers vLLM or the operator configured. Why a thread:
+building the JSON and Python ``logging``'s record, format and write cost
+tens of microseconds a record, which the step would otherwise pay for every
+request it reads; why a timer and not a wake per put: waking a thread costs
+the step about 15 us, as much as the rest of its records
+(``benchmarks/records.py``).
 
-What an operator sees: the lines come a moment after the step that made
-them (the writer wakes when a record is put); a record's own
-``posted_at_s`` says when its read was posted. At exit the writer is given
-``EXIT_FLUSH_S`` to write what is queued. A child forked from a process
-whose writer runs starts its own writer (the queue is not shared).
+What an operator sees: the lines come up to ``DRAIN_INTERVAL_S`` after the
+step that made them; a record's own ``posted_at_s`` says when its read was
+posted. ``flush`` and ``close`` wake the writer at once. At exit the writer
+is given ``EXIT_FLUSH_S`` to write what is queued. A child forked from a
+process whose writer runs starts its own writer (the queue is not shared).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Any
 
-__all__ = ["EXIT_FLUSH_S", "RecordLog"]
+__all__ = ["DRAIN_INTERVAL_S", "EXIT_FLUSH_S", "RecordLog"]
 
 #: seconds the writer gets at interpreter exit to write what is queued
 EXIT_FLUSH_S = 2.0
+#: seconds between the writer's looks at the queue (``put`` does not wake it)
+DRAIN_INTERVAL_S = 0.05
 
 
 class _Flush:
@@ -49,7 +54,8 @@ class RecordLog:
         self._logger = records_logger
         self._message = message
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._exit_hook = False
@@ -59,12 +65,13 @@ class RecordLog:
 
     def put(self, records: list[Any]) -> None:
         """Queue ``records`` (each has ``to_json()``) to be written, in order:
-        one queue append, one wake of the writer, however many records."""
+        one append however many records, and no wake (the writer looks every
+        ``DRAIN_INTERVAL_S``)."""
         if not records:
             return
         if self._thread is None or self._pid != os.getpid():
             self._start()
-        self._queue.put(records)
+        self._queue.append(records)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every record put before this call is written; False if
@@ -72,7 +79,8 @@ class RecordLog:
         if self._thread is None or self._pid != os.getpid():
             return True  # nothing was put in this process
         marker = _Flush()
-        self._queue.put(marker)
+        self._queue.append(marker)
+        self._wake.set()
         return marker.written.wait(timeout_s)
 
     def close(self, timeout_s: float = EXIT_FLUSH_S) -> bool:
@@ -82,7 +90,8 @@ class RecordLog:
             thread = self._thread
             if thread is None or self._pid != os.getpid():
                 return True
-            self._queue.put(_STOP)
+            self._queue.append(_STOP)
+            self._wake.set()
             thread.join(timeout_s)
             self._thread = None
             return not thread.is_alive()
@@ -90,35 +99,45 @@ class RecordLog:
     def _start(self) -> None:
         with self._lock:
             if self._pid != os.getpid():  # forked: the parent's writer is not ours
-                self._queue = queue.SimpleQueue()
+                self._queue = collections.deque()
+                self._wake = threading.Event()
                 self._thread = None
                 self._pid = os.getpid()
                 self._exit_hook = False
             if self._thread is not None:
                 return
             self._thread = threading.Thread(
-                target=self._write, args=(self._queue,), name="nixl-hma-records", daemon=True
+                target=self._write,
+                args=(self._queue, self._wake),
+                name="nixl-hma-records",
+                daemon=True,
             )
             self._thread.start()
             if not self._exit_hook:
                 atexit.register(self.close)
                 self._exit_hook = True
 
-    def _write(self, records: queue.SimpleQueue) -> None:
+    def _write(self, queued: collections.deque, wake: threading.Event) -> None:
         while True:
-            batch = records.get()
-            if batch is _STOP:
-                return
-            if isinstance(batch, _Flush):
-                batch.written.set()
-                continue
-            started = time.thread_time()
-            for record in batch:
-                try:
-                    self._logger.info(self._message, record.to_json())
-                    self.written += 1
-                except Exception:  # a record that cannot be written must not stop the rest
-                    logging.getLogger(__name__).exception(
-                        "NixlHMAConnector: a transfer record was not written"
-                    )
-            self.writer_cpu_s += time.thread_time() - started
+            wake.wait(DRAIN_INTERVAL_S)
+            wake.clear()  # a set() after this is seen by the next wait
+            while queued:
+                batch = queued.popleft()
+                if batch is _STOP:
+                    return
+                if isinstance(batch, _Flush):
+                    batch.written.set()
+                    continue
+                self._write_batch(batch)
+
+    def _write_batch(self, batch: list[Any]) -> None:
+        started = time.thread_time()
+        for record in batch:
+            try:
+                self._logger.info(self._message, record.to_json())
+                self.written += 1
+            except Exception:  # a record that cannot be written must not stop the rest
+                logging.getLogger(__name__).exception(
+                    "NixlHMAConnector: a transfer record was not written"
+                )
+        self.writer_cpu_s += time.thread_time() - started

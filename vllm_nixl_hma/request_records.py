@@ -93,19 +93,23 @@ class _FinishedRead(NamedTuple):
     request_id: str
     outcome: Outcome
     reason: Reason
-    engine_id: str | None
-    host: str | None
+    #: the request's metadata (its ``remote`` names the prefill engine and host)
+    meta: Any
     local_tp_rank: int
     reads: _Reads | None
     detail: str | None
 
     def record(self) -> DecodeRecord:
+        remote = getattr(self.meta, "remote", None)
+        engine_id = getattr(remote, "engine_id", None)
+        if not engine_id and self.reads is not None:
+            engine_id = self.reads.engine_id
         return DecodeRecord(
             request_id=self.request_id,
             outcome=self.outcome,
             reason=self.reason,
-            remote_engine_id=self.engine_id,
-            remote_host=self.host,
+            remote_engine_id=engine_id,
+            remote_host=getattr(remote, "host", None),
             local_tp_rank=self.local_tp_rank,
             detail=self.detail,
             **(self._read_fields() if self.reads is not None else {}),
@@ -282,41 +286,54 @@ class RequestRecords:
         reads.transfers += 1
 
     def _record_received(self, request_id: str, meta: Any, failed: bool) -> None:
-        """The record of a request this rank finished receiving (or gave up):
-        counted in the connector stats now; with records on, queued for the
-        writer thread, which makes the ``DecodeRecord`` and its JSON line."""
-        reads = self._reads_by_request.pop(request_id, None)
-        noted = self._not_read_reasons.pop(request_id, None)
-        if noted is None and failed:
-            noted = (Reason.TRANSFER, "the transfer failed")
-        if noted is None:
-            outcome, reason, detail = Outcome.READ, Reason.NONE, None
-        else:
-            reason, detail = noted
-            outcome = outcome_of(reason, recompute=self._recompute_on_failure)
-        stats = getattr(self, "xfer_stats", None)
-        if hasattr(stats, "count_request"):
-            read = outcome is Outcome.READ and reads is not None
-            stats.count_request(
-                outcome,
-                reason,
-                reads.bytes_read if read else 0,
-                reads.transfer_s if read and reads.transfers else None,
+        """A request this rank finished receiving (or gave up): what is known
+        of it is set aside; ``_write_records`` counts it and makes its record
+        with the rest of the step's, at the end of the step."""
+        self._received_of_step.append(
+            (
+                request_id,
+                meta,
+                failed,
+                self._reads_by_request.pop(request_id, None),
+                self._not_read_reasons.pop(request_id, None),
             )
-        if self._records_on:
-            remote = getattr(meta, "remote", None)
-            self._records_of_step.append(  # its record and JSON line: made off the step thread
-                _FinishedRead(
-                    request_id,
-                    outcome,
-                    reason,
-                    getattr(remote, "engine_id", None) or (reads.engine_id if reads else None),
-                    getattr(remote, "host", None),
-                    int(getattr(self, "tp_rank", 0)),
-                    reads,
-                    detail,
+        )
+
+    @functools.cached_property
+    def _received_of_step(self) -> list[tuple]:
+        """(request id, metadata, failed, reads, reason noted) of each request
+        finished since ``_write_records`` last ran."""
+        return []
+
+    def _count_received(self, received: list[tuple]) -> None:
+        """The step's finished requests, in one pass: each one's outcome
+        counted in the connector stats and, with records on, its record
+        queued (the writer thread makes the ``DecodeRecord`` and its line)."""
+        recompute = self._recompute_on_failure
+        finished = self._records_of_step if self._records_on else None
+        tp_rank = int(getattr(self, "tp_rank", 0))
+        counts = []
+        for request_id, meta, failed, reads, noted in received:
+            if noted is None and failed:
+                noted = (Reason.TRANSFER, "the transfer failed")
+            if noted is None:
+                outcome, reason, detail = Outcome.READ, Reason.NONE, None
+                if reads is None:
+                    counts.append((outcome, reason, 0, None))
+                else:
+                    transfer_s = reads.transfer_s if reads.transfers else None
+                    counts.append((outcome, reason, reads.bytes_read, transfer_s))
+            else:
+                reason, detail = noted
+                outcome = outcome_of(reason, recompute=recompute)
+                counts.append((outcome, reason, 0, None))
+            if finished is not None:
+                finished.append(
+                    _FinishedRead(request_id, outcome, reason, meta, tp_rank, reads, detail)
                 )
-            )
+        stats = getattr(self, "xfer_stats", None)
+        if hasattr(stats, "count_requests"):
+            stats.count_requests(counts)
 
     def _emit(self, record: PrefillRecord) -> None:
         stats = getattr(self, "xfer_stats", None)
@@ -331,8 +348,13 @@ class RequestRecords:
         return []
 
     def _write_records(self) -> None:
-        """Hand this step's records to the writer thread (``record_log``) at
-        once, at the end of the step's ``get_finished``."""
+        """At the end of the step's ``get_finished``: count the requests it
+        finished (``_count_received``) and hand its records to the writer
+        thread (``record_log``) at once."""
+        received = self._received_of_step
+        if received:
+            self.__dict__["_received_of_step"] = []
+            self._count_received(received)
         if self._records_of_step:
             RECORD_LOG.put(self._records_of_step)
             self.__dict__["_records_of_step"] = []

@@ -27,6 +27,7 @@ come first, as on vLLM's own metrics.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,11 +98,10 @@ class NixlHMAKVConnectorStats(NixlKVConnectorStats):
     def record_request(self, record: DecodeRecord) -> None:
         self._lists().add(record)
 
-    def count_request(
-        self, outcome: Outcome, reason: Reason, bytes_read: int, transfer_s: float | None
-    ) -> None:
-        """``record_request`` without a record (decode's step counts this way)."""
-        self._lists().count(outcome, reason, bytes_read, transfer_s)
+    def count_requests(self, counts: Iterable[tuple[Outcome, Reason, int, float | None]]) -> None:
+        """``record_request`` without records, for many requests at once
+        (decode's step counts this way): ``OutcomeCounts.count_many``."""
+        self._lists().count_many(counts)
 
     def record_prefill_request(self, record: PrefillRecord) -> None:
         self._lists().add_prefill(record)

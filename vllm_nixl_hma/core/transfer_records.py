@@ -295,14 +295,20 @@ class OutcomeCounts:
         self, outcome: Outcome, reason: Reason, bytes_read: int, transfer_s: float | None
     ) -> None:
         """One decode request, as ``add`` counts its record, without one."""
-        key = OUTCOME_KEYS.get((outcome, reason))
-        if key is None:
-            _check_outcome(outcome, reason)  # raises, naming the pair
-        self.outcomes.append(key)
-        if outcome is Outcome.READ:
-            self.bytes_read.append(bytes_read)
-            if transfer_s is not None:
-                self.transfer_s.append(transfer_s)
+        self.count_many(((outcome, reason, bytes_read, transfer_s),))
+
+    def count_many(self, counts: Iterable[tuple[Outcome, Reason, int, float | None]]) -> None:
+        """``count`` for each ``(outcome, reason, bytes_read, transfer_s)``."""
+        outcomes, bytes_read, transfer_s = self.outcomes, self.bytes_read, self.transfer_s
+        for outcome, reason, nbytes, seconds in counts:
+            key = OUTCOME_KEYS.get((outcome, reason))
+            if key is None:
+                _check_outcome(outcome, reason)  # raises, naming the pair
+            outcomes.append(key)
+            if outcome is Outcome.READ:
+                bytes_read.append(nbytes)
+                if seconds is not None:
+                    transfer_s.append(seconds)
 
     def add_prefill(self, record: PrefillRecord) -> None:
         self.prefill_freed.append(record.freed_by)

@@ -234,6 +234,7 @@ def build_live_read_path(
     kernel_block_tokens: int = 16,
     mamba_shapes: tuple = LIVE_MAMBA_SHAPES,
     nixl_threads: int = 4,
+    progress_delay_us: int | None = None,
 ) -> LiveReadPath:
     """Decode TP 1 reading prefill TP 1, both with ``physical_per_logical``
     kernel blocks per logical block and ``layers`` layers of
@@ -245,6 +246,8 @@ def build_live_read_path(
     worker's agent is configured as that worker's constructor configures it
     (ours: ``worker.build_nixl_agent`` with our default split); prefill's as
     upstream's (the reader's configuration alone decides how a READ is split).
+    ``progress_delay_us``: both agents' progress threads wait that long
+    between polls (``core.progress_thread``); None: NIXL's own, no wait.
     """
     import types
     import uuid
@@ -258,6 +261,7 @@ def build_live_read_path(
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    from vllm_nixl_hma.core.progress_thread import agents_built_with_delay
     from vllm_nixl_hma.core.read_threads import DEFAULT_SPLIT_BATCH_SIZE
     from vllm_nixl_hma.v021.worker import (
         NixlHMAConnectorWorker,
@@ -270,10 +274,14 @@ def build_live_read_path(
     config = nixl_agent_config(num_threads=nixl_threads, capture_telemetry=True)
     decode_name = f"decode-{uuid.uuid4()}"
     if issubclass(worker_cls, NixlHMAConnectorWorker):
-        decode_agent = build_nixl_agent(nixl_agent, decode_name, config, DEFAULT_SPLIT_BATCH_SIZE)
+        decode_agent = build_nixl_agent(
+            nixl_agent, decode_name, config, DEFAULT_SPLIT_BATCH_SIZE, progress_delay_us
+        )
     else:
-        decode_agent = nixl_agent(decode_name, config)
-    prefill_agent = nixl_agent(f"prefill-{uuid.uuid4()}", config)
+        with agents_built_with_delay(nixl_agent, progress_delay_us):
+            decode_agent = nixl_agent(decode_name, config)
+    with agents_built_with_delay(nixl_agent, progress_delay_us):
+        prefill_agent = nixl_agent(f"prefill-{uuid.uuid4()}", config)
     worker = build_read_path_worker(
         worker_cls,
         group_kinds,

@@ -139,8 +139,11 @@ def _records_off(worker) -> None:
 
 
 def _records_on(worker) -> None:
+    """The records mixin's methods back, and its telemetry watch on the agent
+    (an engine's worker installs it once, on its first step: not timed here)."""
     for name in ("_note_read", "_pop_done_transfers"):
         worker.__dict__.pop(name, None)
+    worker._watch_telemetry()
 
 
 def _ratios(seconds: dict[str, list[float]], mode: str, base: str = "off") -> list[float]:
@@ -167,9 +170,10 @@ def _median_interval(values: list[float], z: float = 1.96) -> tuple[float, float
 
 def _steps(tokens: int, quick: bool) -> int:
     """Steps per mode: many for the small requests, whose steps are short and
-    their ratio the noisiest; at least 60, so every cell's median has a
-    narrow interval."""
-    steps = max(60, min(240, 240 * 2048 // tokens))
+    their ratio the noisiest (960 at 2048 tokens: a 95 % interval about 3 %
+    wide, where 240 steps left one about 6 % wide); at least 60, so every
+    cell's median has a narrow interval."""
+    steps = max(60, min(960, 960 * 2048 // tokens))
     return 18 if quick else steps
 
 

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 __all__ = ["DRAIN_INTERVAL_S", "EXIT_FLUSH_S", "RecordLog"]
@@ -47,6 +48,12 @@ class _Flush:
 _STOP = object()
 
 
+def _reset_in_child(log: weakref.ref) -> None:
+    record_log = log()
+    if record_log is not None:
+        record_log._forked()
+
+
 class RecordLog:
     """Records in, JSON lines out through ``records_logger`` on a writer thread."""
 
@@ -57,8 +64,12 @@ class RecordLog:
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
         self._exit_hook = False
+        # a forked child starts afresh: without this, ``put`` would have to
+        # ask the pid on every call (a system call a step)
+        if hasattr(os, "register_at_fork"):
+            this = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _reset_in_child(this))
         #: CPU seconds the writer thread spent writing records (all writers of this object)
         self.writer_cpu_s = 0.0
         self.written = 0
@@ -69,14 +80,14 @@ class RecordLog:
         ``DRAIN_INTERVAL_S``)."""
         if not records:
             return
-        if self._thread is None or self._pid != os.getpid():
+        if self._thread is None:
             self._start()
         self._queue.append(records)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every record put before this call is written; False if
         ``timeout_s`` ran out first."""
-        if self._thread is None or self._pid != os.getpid():
+        if self._thread is None:
             return True  # nothing was put in this process
         marker = _Flush()
         self._queue.append(marker)
@@ -88,7 +99,7 @@ class RecordLog:
         later ``put`` starts a new one."""
         with self._lock:
             thread = self._thread
-            if thread is None or self._pid != os.getpid():
+            if thread is None:
                 return True
             self._queue.append(_STOP)
             self._wake.set()
@@ -96,14 +107,17 @@ class RecordLog:
             self._thread = None
             return not thread.is_alive()
 
+    def _forked(self) -> None:
+        """In a forked child: the parent's writer, queue and lock are not
+        this process's (the lock may have been held at the fork)."""
+        self._lock = threading.Lock()
+        self._queue = collections.deque()
+        self._wake = threading.Event()
+        self._thread = None
+        self._exit_hook = False
+
     def _start(self) -> None:
         with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's writer is not ours
-                self._queue = collections.deque()
-                self._wake = threading.Event()
-                self._thread = None
-                self._pid = os.getpid()
-                self._exit_hook = False
             if self._thread is not None:
                 return
             self._thread = threading.Thread(

@@ -65,7 +65,7 @@ def records_enabled(extra_config: Any) -> bool:
 
 class _Reads:
     """What one request's reads on this rank came to so far: noted by the
-    step thread as cheaply as it can (``_note_read``, ``_add_telemetry``);
+    step thread as cheaply as it can (``_note_read``, ``_pop_done_transfers``);
     the writer thread turns it into a record's fields (``_FinishedRead.record``)."""
 
     __slots__ = (
@@ -76,9 +76,11 @@ class _Reads:
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self.posted_at_s = time.time()
-        #: per read posted: (remote TP rank, local kernel block ids per group
-        #: as upstream's ``ReadSpec`` has them; lists nothing changes once read)
-        self.posted: list[tuple[int, Any]] = []
+        #: per read posted: (remote TP rank, local kernel blocks in all groups,
+        #: groups with any), counts only: holding on to the read's block id
+        #: lists until the writer is done cost decode's step more than counting
+        #: them (about 10 us a request at 8192 tokens, ``benchmarks/records.py``)
+        self.posted: list[tuple[int, int, int]] = []
         self.post_s = 0.0
         self.transfer_s = 0.0
         self.bytes_read = 0
@@ -119,15 +121,11 @@ class _FinishedRead(NamedTuple):
         """The record's fields from what was read (a refused request's reads
         posted nothing: its descriptors and bytes stay 0)."""
         reads = self.reads
-        kernel_blocks = groups = 0
-        for _, kernel_block_ids in reads.posted:  # the local kernel blocks of each read
-            kernel_blocks += sum(len(ids) for ids in kernel_block_ids)
-            groups = max(groups, sum(1 for ids in kernel_block_ids if len(ids)))
         refused = self.outcome is Outcome.REFUSED
         return {
-            "remote_tp_ranks": tuple(sorted({int(rank) for rank, _ in reads.posted})),
-            "groups": groups,
-            "kernel_blocks": kernel_blocks,
+            "remote_tp_ranks": tuple(sorted({int(rank) for rank, _, _ in reads.posted})),
+            "groups": max((groups for _, _, groups in reads.posted), default=0),
+            "kernel_blocks": sum(kernel_blocks for _, kernel_blocks, _ in reads.posted),
             "descriptors": 0 if refused else reads.descriptors,
             "bytes_read": 0 if refused else reads.bytes_read,
             "posted_at_s": reads.posted_at_s,
@@ -137,6 +135,17 @@ class _FinishedRead(NamedTuple):
 
     def to_json(self) -> str:
         return self.record().to_json()
+
+
+class _FinishedReads(list):
+    """A step's finished requests, each a plain tuple of ``_FinishedRead``'s
+    fields (making a ``_FinishedRead`` is a Python call, per request, on the
+    step thread); iterated, on the writer thread, it yields ``_FinishedRead``s."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Iterator[_FinishedRead]:
+        return map(_FinishedRead._make, list.__iter__(self))
 
 
 #: requests whose notifications are kept at most (the oldest go first)
@@ -202,7 +211,8 @@ class RequestRecords:
         reads = self._reads_by_request.get(request_id)
         if reads is None:
             reads = self._reads_by_request[request_id] = _Reads(str(dst_engine_id))
-        reads.posted.append((read_spec.remote_rank, read_spec.local_block_ids or ()))
+        lengths = list(map(len, read_spec.local_block_ids or ()))  # per group
+        reads.posted.append((read_spec.remote_rank, sum(lengths), len(lengths) - lengths.count(0)))
 
     @contextlib.contextmanager
     def _noting_handshake_failure(self, engine_id: object) -> Iterator[None]:
@@ -262,28 +272,24 @@ class RequestRecords:
         try:
             return super()._pop_done_transfers(transfers)
         finally:
-            for handle, telemetry in noted:
-                self._add_telemetry(owner.get(id(handle)), telemetry)
+            reads_by_request = self._reads_by_request
+            for handle, telemetry in noted:  # no call per read: each one costs the step
+                reads = reads_by_request.get(owner.get(id(handle)))  # type: ignore[arg-type]
+                if reads is None:
+                    continue
+                try:  # µs and counts, as NIXL's ``nixlXferTelemetry`` has them
+                    transfer_us = float(telemetry.xferDuration)
+                    post_us = float(telemetry.postDuration)
+                    nbytes = int(telemetry.totalBytes)
+                    descriptors = int(telemetry.descCount)
+                except (AttributeError, TypeError, ValueError):  # not NIXL's telemetry
+                    continue
+                reads.transfer_s += transfer_us / 1e6
+                reads.post_s += post_us / 1e6
+                reads.bytes_read += nbytes
+                reads.descriptors += descriptors
+                reads.transfers += 1
             noted.clear()
-
-    def _add_telemetry(self, request_id: str | None, telemetry: Any) -> None:
-        """One finished read's NIXL telemetry (µs and counts, as NIXL's
-        ``nixlXferTelemetry`` has them) added to ``request_id``'s reads."""
-        reads = self._reads_by_request.get(request_id) if request_id is not None else None
-        if reads is None:
-            return
-        try:
-            transfer_us = float(telemetry.xferDuration)
-            post_us = float(telemetry.postDuration)
-            nbytes = int(telemetry.totalBytes)
-            descriptors = int(telemetry.descCount)
-        except (AttributeError, TypeError, ValueError):  # not NIXL's telemetry
-            return
-        reads.transfer_s += transfer_us / 1e6
-        reads.post_s += post_us / 1e6
-        reads.bytes_read += nbytes
-        reads.descriptors += descriptors
-        reads.transfers += 1
 
     def _record_received(self, request_id: str, meta: Any, failed: bool) -> None:
         """A request this rank finished receiving (or gave up): what is known
@@ -305,12 +311,12 @@ class RequestRecords:
         finished since ``_write_records`` last ran."""
         return []
 
-    def _count_received(self, received: list[tuple]) -> None:
+    def _count_received(self, received: list[tuple]) -> _FinishedReads | None:
         """The step's finished requests, in one pass: each one's outcome
-        counted in the connector stats and, with records on, its record
+        counted in the connector stats; with records on, returned to be
         queued (the writer thread makes the ``DecodeRecord`` and its line)."""
         recompute = self._recompute_on_failure
-        finished = self._records_of_step if self._records_on else None
+        finished = _FinishedReads() if self._records_on else None
         tp_rank = int(getattr(self, "tp_rank", 0))
         counts = []
         for request_id, meta, failed, reads, noted in received:
@@ -328,12 +334,11 @@ class RequestRecords:
                 outcome = outcome_of(reason, recompute=recompute)
                 counts.append((outcome, reason, 0, None))
             if finished is not None:
-                finished.append(
-                    _FinishedRead(request_id, outcome, reason, meta, tp_rank, reads, detail)
-                )
+                finished.append((request_id, outcome, reason, meta, tp_rank, reads, detail))
         stats = getattr(self, "xfer_stats", None)
         if hasattr(stats, "count_requests"):
             stats.count_requests(counts)
+        return finished
 
     def _emit(self, record: PrefillRecord) -> None:
         stats = getattr(self, "xfer_stats", None)
@@ -344,7 +349,7 @@ class RequestRecords:
 
     @functools.cached_property
     def _records_of_step(self) -> list[Any]:
-        """Records finished since ``_write_records`` last ran."""
+        """Prefill records finished since ``_write_records`` last ran."""
         return []
 
     def _write_records(self) -> None:
@@ -354,7 +359,9 @@ class RequestRecords:
         received = self._received_of_step
         if received:
             self.__dict__["_received_of_step"] = []
-            self._count_received(received)
+            finished = self._count_received(received)
+            if finished:
+                RECORD_LOG.put(finished)
         if self._records_of_step:
             RECORD_LOG.put(self._records_of_step)
             self.__dict__["_records_of_step"] = []

@@ -106,6 +106,7 @@ def test_each_request_of_a_step_gets_its_own_reads_telemetry(record_lines):
         # ours reads one descriptor per logical block and layer
         assert record["descriptors"] == logical * LAYERS, request_id
         assert record["kernel_blocks"] == logical * RATIO
+        assert record["groups"] == 1 and record["remote_tp_ranks"] == [0]
         assert record["outcome"] == "read" and record["transfer_s"] > 0
         assert record["remote_engine_id"] == REMOTE_ENGINE
     assert sum(r["bytes_read"] for r in records.values()) == nixl_bytes

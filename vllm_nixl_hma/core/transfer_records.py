@@ -208,6 +208,7 @@ OUTCOME_KEYS = {
     for outcome, reasons in REASONS.items()
     for reason in reasons
 }
+_READ_KEY = OUTCOME_KEYS[Outcome.READ, Reason.NONE]
 
 
 def outcome_of(reason: Reason, *, recompute: bool) -> Outcome:
@@ -298,14 +299,20 @@ class OutcomeCounts:
         self.count_many(((outcome, reason, bytes_read, transfer_s),))
 
     def count_many(self, counts: Iterable[tuple[Outcome, Reason, int, float | None]]) -> None:
-        """``count`` for each ``(outcome, reason, bytes_read, transfer_s)``."""
+        """``count`` for each ``(outcome, reason, bytes_read, transfer_s)``.
+        Decode's step counts every request it read this way: a request read
+        takes no dict lookup (``Enum.__hash__`` is Python, two calls a key)."""
         outcomes, bytes_read, transfer_s = self.outcomes, self.bytes_read, self.transfer_s
+        read, none = Outcome.READ, Reason.NONE
         for outcome, reason, nbytes, seconds in counts:
-            key = OUTCOME_KEYS.get((outcome, reason))
-            if key is None:
-                _check_outcome(outcome, reason)  # raises, naming the pair
+            if outcome is read and reason is none:
+                key = _READ_KEY
+            else:
+                key = OUTCOME_KEYS.get((outcome, reason))
+                if key is None:
+                    _check_outcome(outcome, reason)  # raises, naming the pair
             outcomes.append(key)
-            if outcome is Outcome.READ:
+            if outcome is read:
                 bytes_read.append(nbytes)
                 if seconds is not None:
                     transfer_s.append(seconds)

@@ -113,8 +113,7 @@ class RecordLog:
         self._lock = threading.Lock()
         self._queue = collections.deque()
         self._wake = threading.Event()
-        self._thread = None
-        self._exit_hook = False
+        self._thread = None  # (the parent's exit hook, inherited, closes this one)
 
     def _start(self) -> None:
         with self._lock:

@@ -322,17 +322,16 @@ class RequestRecords:
         for request_id, meta, failed, reads, noted in received:
             if noted is None and failed:
                 noted = (Reason.TRANSFER, "the transfer failed")
+            nbytes, transfer_s = 0, None
             if noted is None:
                 outcome, reason, detail = Outcome.READ, Reason.NONE, None
-                if reads is None:
-                    counts.append((outcome, reason, 0, None))
-                else:
+                if reads is not None:
+                    nbytes = reads.bytes_read
                     transfer_s = reads.transfer_s if reads.transfers else None
-                    counts.append((outcome, reason, reads.bytes_read, transfer_s))
             else:
                 reason, detail = noted
                 outcome = outcome_of(reason, recompute=recompute)
-                counts.append((outcome, reason, 0, None))
+            counts.append((outcome, reason, nbytes, transfer_s))
             if finished is not None:
                 finished.append((request_id, outcome, reason, meta, tp_rank, reads, detail))
         stats = getattr(self, "xfer_stats", None)

@@ -39,6 +39,9 @@ class Contract:
     connector_overrides: tuple[str, ...]
     scheduler_overrides: tuple[str, ...]
     scheduler_state: tuple[str, ...]
+    #: what our scheduler reads of each of its KV cache manager's per-group
+    #: managers (``kv_cache_manager.coordinator.single_type_managers``)
+    group_manager_state: tuple[str, ...] = ()
 
     def require_worker_class(self, upstream_worker: type) -> None:
         """Before upstream's constructor: the methods we override or call."""
@@ -153,6 +156,8 @@ V021 = Contract(
         "_mamba_block_aligned_split",
     ),
     scheduler_state=("kv_cache_manager", "connector"),
+    # a failed request's resume point (core.resume): its window's first token
+    group_manager_state=("block_size", "get_num_skipped_tokens"),
 )
 
 V033 = Contract(

@@ -64,6 +64,25 @@ LAYOUTS["swa"] = {
     "sliding_window": 40,
     "layer_types": ["sliding_attention", "full_attention"],
 }
+# Mistral-like: every layer attends over a sliding window, no full-attention
+# layer; vLLM runs it as one sliding-window group (issue #41). The window is
+# longer than a logical block of 16 tokens; ``window_layout`` gives others.
+LAYOUTS["swa-only"] = {
+    **LAYOUTS["dense"],
+    "sliding_window": 40,
+    "layer_types": ["sliding_attention", "sliding_attention"],
+}
+
+
+def window_layout(name: str, window_tokens: int) -> dict[str, Any]:
+    """Layout ``name`` (one with a sliding window) with another window."""
+    layout = dict(LAYOUTS[name])
+    if "sliding_window" not in layout:
+        raise ValueError(f"layout {name!r} has no sliding window")
+    layout["sliding_window"] = window_tokens
+    return layout
+
+
 # granite-4.0-h-like: one SSM group, replicated on every rank when TP > 1
 # (docs/design.md section 4). Kernel block 16; ratio 9 at TP 1, 5 at TP 2, 3 at TP 4.
 LAYOUTS["hybrid-1group"] = {**LAYOUTS["hybrid"], "mamba_n_groups": 1, "mamba_d_state": 32}

@@ -21,7 +21,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_nixl_hma.core import upstream_contract
+from vllm_nixl_hma.core import resume, upstream_contract
 from vllm_nixl_hma.core.positions import NULL_BLOCK_ID  # vLLM's null block: never invalid
 
 __all__ = [
@@ -40,12 +40,21 @@ class HybridInvalidBlocksMixin:
     several KV cache groups.
 
     Why: upstream's ``(req_block_ids,) = get_block_ids(req_id)`` raises for a
-    hybrid model. What changes, for more than one group: a request is
+    hybrid model; and with one sliding-window group (a model whose every
+    layer is sliding-window, which vLLM runs as one group with a connector)
+    upstream resumes a failed request at its first invalid block, which is
+    the first block of the window: the window's start then lies in the null
+    blocks vLLM put before it, and under ``recompute`` the request decoded
+    on KV nobody computed and left those wrong blocks in the prefix cache
+    (issue #41). What changes, for more than one group: a request is
     affected when any of its blocks in any group is invalid; its computed
     tokens drop to 0 (a Mamba state cannot be resumed from a partial prefix,
     and P/D hybrids run without prefix caching), and with ``evict_blocks``
-    all its blocks are evicted. One group: upstream's method. Remove when:
-    upstream handles several groups.
+    all its blocks are evicted. One group: upstream's method, then an
+    affected request whose resume point needs a block it does not hold
+    (``core.resume``) resumes at 0, its blocks evicted with
+    ``evict_blocks``. Remove when: upstream handles several groups and
+    checks the window at its resume point.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -58,6 +67,13 @@ class HybridInvalidBlocksMixin:
         )
         super().__init__(*args, **kwargs)
         contract.require_state(self, contract.scheduler_state, Scheduler, "its constructor")
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            upstream_contract.require(
+                manager,
+                contract.group_manager_state,
+                owner_name=type(manager).__name__,
+                release=contract.release,
+            )
 
     def _update_requests_with_invalid_blocks(
         self,
@@ -67,9 +83,14 @@ class HybridInvalidBlocksMixin:
         evict_blocks: bool = True,
     ) -> tuple[set[str], int, set[int]]:
         if len(self.kv_cache_config.kv_cache_groups) <= 1:
-            return super()._update_requests_with_invalid_blocks(
+            requests = list(requests)  # upstream's callers may pass a generator
+            affected, tokens, blocks_to_evict = super()._update_requests_with_invalid_blocks(
                 requests, invalid_block_ids, num_scheduled_tokens, evict_blocks
             )
+            tokens += self._resume_where_context_is_held(
+                (r for r in requests if r.request_id in affected), blocks_to_evict, evict_blocks
+            )
+            return affected, tokens, blocks_to_evict
         affected_request_ids: set[str] = set()
         affected_tokens = 0
         blocks_to_evict: set[int] = set()
@@ -92,6 +113,30 @@ class HybridInvalidBlocksMixin:
             if evict_blocks:
                 blocks_to_evict |= request_block_ids
         return affected_request_ids, affected_tokens, blocks_to_evict
+
+    def _resume_where_context_is_held(
+        self, affected: Iterable[Any], blocks_to_evict: set[int], evict_blocks: bool
+    ) -> int:
+        """Move each affected request of one KV cache group whose resume
+        point needs a block it does not hold back to token 0 (the tokens
+        this adds to recompute are returned); its blocks join
+        ``blocks_to_evict`` with ``evict_blocks``."""
+        (manager,) = self.kv_cache_manager.coordinator.single_type_managers
+        block_tokens = manager.block_size
+        added_tokens = 0
+        for request in affected:
+            resume_at = request.num_computed_tokens
+            (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)
+            kept = resume.resume_tokens(
+                block_ids, manager.get_num_skipped_tokens(resume_at), resume_at, block_tokens
+            )
+            if kept == resume_at:
+                continue
+            added_tokens += resume_at - kept
+            request.num_computed_tokens = kept
+            if evict_blocks:
+                blocks_to_evict.update(b for b in block_ids if b != NULL_BLOCK_ID)
+        return added_tokens
 
 
 class AsyncLoadsInAlignModeMixin:

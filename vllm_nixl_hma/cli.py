@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default="hybrid",
         help="an embedded tiny model ('hybrid': Qwen3-Next-shaped GatedDeltaNet + attention; "
-        "'dense': Llama; 'swa': Llama with a sliding-window layer), made offline and cached, "
+        "'dense': Llama; 'swa': Llama with a sliding-window layer; 'swa-only', 'swa-only-8': "
+        "every layer over a window of 256 or 8 tokens), made offline and cached, "
         "or a model directory",
     )
     e2e.add_argument("--connector", choices=CONNECTORS, default=CONNECTORS[0])
@@ -518,9 +519,14 @@ FAULT_E2E_COLUMNS = (
     ("s", 5, lambda f: f.get("elapsed_s", "-")),
     # ticket faults: NIXL transfers decode ended while it answered (must be 0)
     ("reads", 5, lambda f: "-" if f.get("nixl_reads") is None else f["nixl_reads"]),
-    ("next request", 12, lambda f: "right" if f["next_request_ok"] else "WRONG"),
-    ("ok", 3, lambda f: "yes" if f["ok"] else "NO"),
+    ("next request", 12, lambda f: _skipped_or(f, "right" if f["next_request_ok"] else "WRONG")),
+    ("ok", 3, lambda f: _skipped_or(f, "yes" if f["ok"] else "NO")),
 )
+
+
+def _skipped_or(fault: dict, shown: str) -> str:
+    """A fault cell a stock run skips (``e2e.faults.NEEDS_OURS``) shows '-'."""
+    return "-" if fault.get("outcome") == "skipped" else shown
 
 
 def render_e2e(report: dict) -> str:
@@ -563,6 +569,9 @@ def render_e2e(report: dict) -> str:
     if report["faults"]:
         lines.append("")
         lines += render_rows(FAULT_E2E_COLUMNS, report["faults"])
+    for f in report["faults"]:
+        if f.get("outcome") == "skipped" and f["policy"] == "fail":
+            lines.append(f"skipped {f['name']}: {f['error']}")
     if report.get("forged_read"):
         lines += ["", "a forged ticket: this prompt's params with another request's block ids:"]
         lines += render_rows(FAULT_E2E_COLUMNS, [report["forged_read"]])

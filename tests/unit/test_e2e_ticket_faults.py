@@ -96,3 +96,41 @@ def test_the_fake_prefill_counts_who_dials_it_and_closes():
         address = fake.address
     with pytest.raises(OSError):
         socket.create_connection(address, timeout=2).close()
+
+
+def stock_params():
+    """What a stock NixlConnector prefill returns: no lease, no ticket."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill",
+        "remote_request_id": "p-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_block_ids": [3, 4, 5],
+        "tp_size": 1,
+    }
+
+
+@pytest.mark.parametrize("name", faults.FAULTS)
+def test_a_stock_run_runs_every_fault_its_params_can_carry_and_says_why_it_skips_the_others(name):
+    """#41: ``e2e --faults --connector NixlConnector`` stopped with a
+    KeyError on the lease field; now each fault either runs on stock's
+    params or is skipped under both policies with its reason."""
+    cells = [faults.skipped(name, policy, "NixlConnector") for policy in faults.POLICIES]
+    if name in faults.NEEDS_OURS:
+        assert all(c.outcome == "skipped" and "stock" in c.error and not c.ok for c in cells)
+    else:
+        assert cells == [None, None]
+        own, victim = stock_params(), {**stock_params(), "remote_block_ids": [7, 8, 9]}
+        if name in faults.TICKET_FAULTS:
+            faults.forged_params(name, own, victim, ("127.0.0.1", 1))
+        else:
+            faults.broken_params(name, own, dead_port=1)
+    # ours runs every fault
+    assert faults.skipped(name, "fail", "NixlHMAConnector") is None
+
+
+def test_editing_a_lease_stock_never_sent_says_so():
+    with pytest.raises(ValueError, match="no lease to edit"):
+        faults.forged_params("edited-ticket", stock_params())

@@ -82,6 +82,7 @@ from vllm_nixl_hma.e2e.servers import HTTPResult, post_json
 __all__ = [
     "ALL_FAULTS",
     "FAULTS",
+    "NEEDS_OURS",
     "NETWORK_FAULTS",
     "POLICIES",
     "TICKET_FAULTS",
@@ -93,6 +94,7 @@ __all__ = [
     "FaultResult",
     "broken_params",
     "decode",
+    "skipped",
     "prefill",
     "verdict",
     "wanted_outcomes",
@@ -112,6 +114,14 @@ FAULTS = (
     *TICKET_FAULTS,
     "prefill-killed",
 )
+#: faults that need what only ours puts in ``kv_transfer_params``, and why a
+#: stock ``NixlConnector`` run skips them (``e2e --connector NixlConnector``)
+NEEDS_OURS = {
+    "lease-expired": "stock's kv_transfer_params carry no lease to let expire "
+    "(its prefill frees blocks after VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s, and decode "
+    "is never told when)",
+    "edited-ticket": "stock's kv_transfer_params carry no lease to edit and no ticket",
+}
 #: faults of the link between hosts: ``e2e --separate-hosts`` only
 NETWORK_FAULTS = ("prefill-link-flap", "prefill-host-gone", "prefill-data-path-cut")
 #: how long ``prefill-link-flap`` keeps the data link down, seconds: longer
@@ -130,7 +140,9 @@ class FaultResult:
     name: str
     policy: str
     http_status: int = 0
-    outcome: str = ""  # "error", "reference tokens", "wrong tokens", "no answer"
+    #: "error", "reference tokens", "wrong tokens", "no answer"; "skipped"
+    #: (``error`` says why: a stock run and a fault in ``NEEDS_OURS``)
+    outcome: str = ""
     #: seconds decode took to answer the broken request
     elapsed_s: float = 0.0
     next_request_ok: bool = False
@@ -159,6 +171,14 @@ class FaultResult:
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def skipped(name: str, policy: str, connector: str) -> FaultResult | None:
+    """Fault ``name``'s cell under ``policy`` as a run of ``connector`` skips
+    it (a stock run, a fault that needs our params), or None: it runs."""
+    if connector == "NixlHMAConnector" or name not in NEEDS_OURS:
+        return None
+    return FaultResult(name, policy, outcome="skipped", error=NEEDS_OURS[name])
 
 
 def broken_params(
@@ -213,6 +233,8 @@ def forged_params(
     if name == "other-request-ticket":
         return {**params, "remote_block_ids": victim_params["remote_block_ids"]}
     if name == "edited-ticket":
+        if lease.PARAM not in params:
+            raise ValueError(f"{name}: {NEEDS_OURS[name]}")
         return {**params, lease.PARAM: params[lease.PARAM] + 3600.0}
     if name == "replayed-ticket":
         return dict(params)

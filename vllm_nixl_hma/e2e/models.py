@@ -5,7 +5,8 @@ head (replicated at TP 2 while the GatedDeltaNet state is sharded, so the logica
 block size differs between TP 1 and TP 2), key and value parts of different sizes.
 ``dense``: Llama; ``swa``: the same Llama with its first layer attending
 over a sliding window of 64 tokens (``layer_types``, which vLLM's Llama reads;
-transformers' ignores it, so the weights are a plain Llama's). All float32,
+transformers' ignores it, so the weights are a plain Llama's); ``swa-only``
+and ``swa-only-8``: every layer over a window of 256 or 8 tokens. All float32,
 with ``lm_head`` drawn wider than the rest so that greedy choices are rarely
 near-ties, and a word-level tokenizer over the vocabulary
 (prompts are sent as token ids). vLLM's Qwen3-Next needs one MoE layer (layer 0).
@@ -99,6 +100,20 @@ MODELS["swa"] = (
         "layer_types": ["sliding_attention", "full_attention"],
     },
 )
+# Mistral-shaped (issue #41): every layer attends over a sliding window, of
+# 256 tokens (shorter than the fault prompts, longer than a logical block) or
+# of 8 (shorter than a kernel block); vLLM runs either as one sliding-window
+# KV cache group
+for _name, _window in (("swa-only", 256), ("swa-only-8", 8)):
+    MODELS[_name] = (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            **MODELS["dense"][2],
+            "sliding_window": _window,
+            "layer_types": ["sliding_attention", "sliding_attention"],
+        },
+    )
 
 
 def default_cache_dir() -> Path:

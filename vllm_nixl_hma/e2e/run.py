@@ -925,6 +925,11 @@ def _faults(
             result = faults.FaultResult(name, "-", error="needs separate hosts")
             results.append(result)
             continue
+        skips = [faults.skipped(name, p, options.connector) for p in decode_by_policy]
+        if all(skips):  # stock: the fault needs what only ours sends (``faults.NEEDS_OURS``)
+            progress(f"fault {name} skipped: {skips[0].error}")
+            results += skips
+            continue
         counted_before = {p: plugin_counts(d) for p, d in decode_by_policy.items()}
         if name in faults.TICKET_FAULTS:
             cells = _ticket_cells(name, prefill, decode_by_policy, expected, options, placement)

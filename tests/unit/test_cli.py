@@ -27,6 +27,30 @@ def test_usage_errors_exit_4():
     assert main(["frobnicate"]) == ExitCode.USAGE_ERROR
 
 
+def test_e2e_prefix_caching_on_and_off_exclude_each_other(tmp_path, capfd):
+    argv = ["e2e", "--prefix-caching", "--no-prefix-caching", "--model", str(tmp_path)]
+    assert main(argv) == ExitCode.USAGE_ERROR
+    assert "not allowed with argument" in capfd.readouterr().err
+
+
+def test_a_stock_fault_run_names_each_skipped_fault_and_why():
+    """#41: ``e2e --faults --connector NixlConnector`` skips the faults that
+    need our lease field, and the table says so rather than 'WRONG'."""
+    from vllm_nixl_hma.cli import render_e2e
+    from vllm_nixl_hma.e2e import faults
+
+    cells = [faults.skipped("lease-expired", p, "NixlConnector") for p in faults.POLICIES]
+    report = {
+        "model": "swa-only", "connector": "NixlConnector", "p_tp": 1, "d_tp": 1,
+        "remote_ratio": 1, "local_ratio": 1, "prompts": [],
+        "faults": [c.as_json() for c in cells],
+    }  # fmt: skip
+    shown = render_e2e(report)
+    assert "skipped lease-expired: stock's kv_transfer_params carry no lease" in shown
+    row = next(line for line in shown.splitlines() if line.startswith("lease-expired"))
+    assert "WRONG" not in row and "NO" not in row.split()
+
+
 def test_table_lists_failures_and_counts():
     good = ScenarioResult("mid-block", 1, 2, "hybrid", 3, 5, 3, 1000, 0, 2**20, 10, 0.5)
     bad = ScenarioResult("boundary", 2, 1, "hybrid", 5, 3, 3, 1000, 7, 2**20, 10, 0.5)

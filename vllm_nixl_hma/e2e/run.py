@@ -47,6 +47,8 @@ TICKET_KEYS_ENV = "VLLM_NIXL_HMA_E2E_TICKET_KEYS"
 MAX_TOKENS = 8
 #: what every engine is started with under ``--prefix-caching``
 PREFIX_CACHING_ARGS = ("--enable-prefix-caching", "--mamba-cache-mode", "align")
+#: and under ``--no-prefix-caching``
+NO_PREFIX_CACHING_ARGS = ("--no-enable-prefix-caching",)
 #: the prompt every fault is injected into: several logical blocks on both sides
 FAULT_PROMPT_TOKENS = 600
 
@@ -106,6 +108,9 @@ class E2EOptions:
     #: every engine keeps prefix caching (the reference too), and a multi-turn
     #: conversation follows the prompts (``e2e.conversation``)
     prefix_caching: bool = False
+    #: every engine runs without prefix caching (``--no-enable-prefix-caching``;
+    #: vLLM's default keeps it for a model without Mamba layers)
+    no_prefix_caching: bool = False
 
 
 @dataclass
@@ -402,6 +407,10 @@ def _run_engines(
     ticket_key_line = f"e2e {secrets.token_hex(32)}"
     # prefix caching: vLLM 0.21.0 leaves it off for hybrids unless asked for
     caching_args = PREFIX_CACHING_ARGS if options.prefix_caching else ()
+    if options.no_prefix_caching:
+        if options.prefix_caching:
+            raise ValueError("prefix_caching and no_prefix_caching exclude each other")
+        caching_args = NO_PREFIX_CACHING_ARGS
     # 1. the reference: one engine, no connector
     progress("starting the reference engine (TP 1, no connector)")
     reference = servers.start_engine(

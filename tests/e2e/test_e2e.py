@@ -452,6 +452,23 @@ def test_ours_sliding_window_matches_one_engine_and_fails_closed(tmp_path):
     assert report["ok"]
 
 
+def test_ours_every_layer_window_recomputes_from_token_zero_on_every_fault(tmp_path):
+    """#41: a Mistral-shaped model (every layer over a 256-token window, one
+    sliding-window KV cache group, prompts past the window), prefill TP 2 ->
+    decode TP 1, decode keeping vLLM's default prefix caching. Before the
+    fix, under ``recompute`` four fault cells answered HTTP 200 with wrong
+    tokens and their next request (the same prompt) hit the wrong blocks
+    decode had cached: the request resumed at the window's first block over
+    null blocks (the one-group shape itself: tests/integration/
+    test_window_recompute.py). Every cell must now give one engine's tokens,
+    and so must the next request."""
+    report, log = e2e(tmp_path, model="swa-only", p_tp=2, d_tp=1, faults=FAULTS)
+    assert_every_prompt_matches(report, log)
+    assert_every_fault_fails_closed(report, log)  # recompute: the reference, and next too
+    assert_plugin_metrics_account_for_the_run(report, log, d_tp=1)
+    assert report["ok"]
+
+
 def assert_no_callback_raised(workdir):
     """vLLM 0.21.0's handshake-failure callback raised IndexError on a request
     with no KV cache group (the serving layer's pre-aborted copy after an

@@ -83,17 +83,21 @@ class ModelKind:
 
 
 #: every fault runs on each: dense (one group, with or without HMA alike),
-#: sliding window with and without HMA, the Mamba hybrid (HMA only)
+#: sliding window beside full attention with and without HMA, every layer
+#: sliding-window (one group, HMA or not), the Mamba hybrid (HMA only)
 MODEL_KINDS = (
     ModelKind("dense", hma=False),
     ModelKind("swa", hma=True),
     ModelKind("swa", hma=False),
+    # every layer sliding-window: one window group, its blocks before the window null (#41)
+    ModelKind("swa-only", hma=False),
     ModelKind("hybrid", hma=True),
 )
 #: the prefill model of the mismatched-layout fault, per decode layout: one
 #: SSM group instead of two, or attention pages of another head size
 MISMATCHED = {"hybrid": "hybrid-1group", "dense": ("dense", {"head_dim": 32})}
 MISMATCHED["swa"] = ("swa", {"head_dim": 32})
+MISMATCHED["swa-only"] = ("swa-only", {"head_dim": 32})
 
 
 RATIOS_DIFFER = ", where the kernel-per-logical ratios differ"

@@ -579,6 +579,8 @@ def render_e2e(report: dict) -> str:
     for f in report["faults"]:
         if f.get("outcome") == "skipped" and f["policy"] == "fail":
             lines.append(f"skipped {f['name']}: {f['error']}")
+        if f.get("decode_died"):
+            lines.append(f"{f['name']} ({f['policy']}): the decode engine died; started again")
     if report.get("forged_read"):
         lines += ["", "a forged ticket: this prompt's params with another request's block ids:"]
         lines += render_rows(FAULT_E2E_COLUMNS, [report["forged_read"]])

@@ -134,3 +134,32 @@ def test_a_stock_run_runs_every_fault_its_params_can_carry_and_says_why_it_skips
 def test_editing_a_lease_stock_never_sent_says_so():
     with pytest.raises(ValueError, match="no lease to edit"):
         faults.forged_params("edited-ticket", stock_params())
+
+
+class _Engine:
+    def __init__(self, alive: bool):
+        self._alive = alive
+
+    def alive(self) -> bool:
+        return self._alive
+
+
+def test_a_decode_engine_a_cell_took_down_is_marked_and_started_again():
+    """#41: stock's decode engines died on the first refused handshake and
+    every later stock cell had nobody to answer; the dead one is now marked
+    in its cell and replaced before the next fault, the live one kept."""
+    from vllm_nixl_hma.e2e.run import _replace_dead_decodes
+
+    results = [
+        faults.FaultResult("side-channel-unreachable", policy, ok=True)
+        for policy in faults.POLICIES
+    ]
+    live, dead, fresh = _Engine(True), _Engine(False), _Engine(True)
+    by_policy = {"fail": live, "recompute": dead}
+    started = []
+    _replace_dead_decodes(results, by_policy, lambda p: started.append(p) or fresh, lambda _: None)
+    assert started == ["recompute"] and by_policy == {"fail": live, "recompute": fresh}
+    assert [(c.policy, c.decode_died, c.ok) for c in results] == [
+        ("fail", False, True),
+        ("recompute", True, False),
+    ]

@@ -168,6 +168,8 @@ class FaultResult:
     #: and whether that is the fault's own class (None: stock, no counters)
     records: dict[str, int] | None = None
     records_ok: bool | None = None
+    #: the cell's decode engine died (and was started again for the next fault)
+    decode_died: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

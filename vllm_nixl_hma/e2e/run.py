@@ -653,18 +653,35 @@ def _run_engines(
         # which DP ranks read: vLLM labels each rank's NIXL metrics with its engine index
         report["decode_dp_reads"] = {server.name: kv_reads_by_dp_rank(server) for server in decodes}
     if options.faults:
+        decode_by_policy = {"fail": decode, "recompute": started[2]}
+        spec_of = {"fail": specs[1], "recompute": specs[2]}
+
+        def start_again(policy: str):
+            """A decode engine a fault cell took down, started again (stock's
+            died on a refused handshake), so that later cells meet an engine."""
+            dead = decode_by_policy[policy]
+            servers.stop(dead)
+            engines.remove(dead)
+            server = servers.start_engine(spec_of[policy])
+            engines.append(server)
+            server.wait_ready(options.start_timeout_s)
+            started[started.index(dead)] = server
+            return server
+
         report["faults"] = [
             f.as_json()
             for f in _faults(
                 prefill,
-                {"fail": decode, "recompute": started[2]},
+                decode_by_policy,
                 expected,
                 options,
                 progress,
                 placement,
                 ticket_keys,
+                start_again,
             )
         ]
+        decode = decode_by_policy["fail"]
     if options.forged_read_probe:
         progress("a forged ticket: this prompt's params with another request's block ids")
         report["forged_read"] = _ticket_cells(
@@ -919,9 +936,13 @@ def _link_report(before, after, kv_before, decode) -> dict[str, Any]:
 
 
 def _faults(
-    prefill, decode_by_policy, expected, options, progress, placement: Placement, ticket_keys
-):
-    """Each fault under each policy on its own decode engine (``faults``)."""
+    prefill, decode_by_policy, expected, options, progress, placement: Placement, ticket_keys,
+    start_again=None,
+):  # fmt: skip
+    """Each fault under each policy on its own decode engine (``faults``).
+    A decode engine that died in a cell is marked in it (``decode_died``)
+    and, with ``start_again(policy)``, replaced in ``decode_by_policy`` by a
+    new one before the next fault."""
     from vllm_nixl_hma.e2e import faults
     from vllm_nixl_hma.harness.coordinator import free_port
 
@@ -956,7 +977,23 @@ def _faults(
                 placement=placement, ticket_keys=ticket_keys,
             )  # fmt: skip
         results += _with_records(name, cells, decode_by_policy, counted_before)
+        _replace_dead_decodes(results, decode_by_policy, start_again, progress)
     return results
+
+
+def _replace_dead_decodes(results, decode_by_policy, start_again, progress) -> None:
+    """Mark the last fault's cells whose decode engine is gone, and start it again."""
+    name = results[-1].name if results else None
+    for policy, server in list(decode_by_policy.items()):
+        if server.alive():
+            continue
+        for cell in results:
+            if cell.name == name and cell.policy == policy:
+                cell.decode_died = True
+                cell.ok = False
+        if start_again is not None:
+            progress(f"decode engine ({policy}) died in {name}: starting it again")
+            decode_by_policy[policy] = start_again(policy)
 
 
 #: how long the counters of a fault cell may take to reach /metrics (vLLM

@@ -137,11 +137,15 @@ def test_editing_a_lease_stock_never_sent_says_so():
 
 
 class _Engine:
-    def __init__(self, alive: bool):
-        self._alive = alive
+    def __init__(self, alive: bool, health: int = 200):
+        self._alive, self._health = alive, health
 
     def alive(self) -> bool:
         return self._alive
+
+    def get(self, path: str):
+        assert path == "/health"
+        return self._health, ""
 
 
 def test_a_decode_engine_a_cell_took_down_is_marked_and_started_again():
@@ -163,3 +167,8 @@ def test_a_decode_engine_a_cell_took_down_is_marked_and_started_again():
         ("fail", False, True),
         ("recompute", True, False),
     ]
+    # a process still up whose engine core died (its /health an error) is down too
+    dying = _Engine(True, health=500)
+    by_policy = {"fail": dying, "recompute": fresh}
+    _replace_dead_decodes(results, by_policy, lambda p: started.append(p) or live, lambda _: None)
+    assert started == ["recompute", "fail"] and by_policy["fail"] is live

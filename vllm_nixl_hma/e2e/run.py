@@ -981,11 +981,24 @@ def _faults(
     return results
 
 
+def _engine_down(server) -> bool:
+    """Whether ``server`` is gone or no longer healthy: vLLM's API server
+    answers /health with an error for seconds after its engine core died,
+    before it exits."""
+    if not server.alive():
+        return True
+    try:
+        status, _ = server.get("/health")
+    except OSError:
+        return True
+    return status != 200
+
+
 def _replace_dead_decodes(results, decode_by_policy, start_again, progress) -> None:
     """Mark the last fault's cells whose decode engine is gone, and start it again."""
     name = results[-1].name if results else None
     for policy, server in list(decode_by_policy.items()):
-        if server.alive():
+        if not _engine_down(server):
             continue
         for cell in results:
             if cell.name == name and cell.policy == policy:

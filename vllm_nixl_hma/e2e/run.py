@@ -963,22 +963,33 @@ def _faults(
         counted_before = {p: plugin_counts(d) for p, d in decode_by_policy.items()}
         if name in faults.TICKET_FAULTS:
             cells = _ticket_cells(name, prefill, decode_by_policy, expected, options, placement)
-            results += _with_records(name, cells, decode_by_policy, counted_before)
-            continue
-        body = completion(prompt_ids(fault_prompt_tokens(name)))
-        expected_tokens, _ = _tokens(expected[fault_prompt_tokens(name)])
-        params = {policy: faults.prefill(prefill.url, body, t) for policy in faults.POLICIES}
-        if name == "prefill-killed":
-            prefill.kill()
-        with _network_fault(name, placement):
-            cells = _fault_cells(
-                name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t,
-                reachable=prefill.alive() and name not in _UNPLUGGED,
-                placement=placement, ticket_keys=ticket_keys,
-            )  # fmt: skip
+        else:
+            cells = _transfer_fault_cells(
+                name, prefill, decode_by_policy, expected, dead_port, t, placement, ticket_keys
+            )
         results += _with_records(name, cells, decode_by_policy, counted_before)
         _replace_dead_decodes(results, decode_by_policy, start_again, progress)
     return results
+
+
+def _transfer_fault_cells(
+    name, prefill, decode_by_policy, expected, dead_port, t, placement, ticket_keys
+):  # fmt: skip
+    """A fault of the transfer or the link (not a ticket fault): prefill
+    computes the prompt, the fault is injected, each policy's cell runs."""
+    from vllm_nixl_hma.e2e import faults
+
+    body = completion(prompt_ids(fault_prompt_tokens(name)))
+    expected_tokens, _ = _tokens(expected[fault_prompt_tokens(name)])
+    params = {policy: faults.prefill(prefill.url, body, t) for policy in faults.POLICIES}
+    if name == "prefill-killed":
+        prefill.kill()
+    with _network_fault(name, placement):
+        return _fault_cells(
+            name, prefill, decode_by_policy, body, params, expected_tokens, dead_port, t,
+            reachable=prefill.alive() and name not in _UNPLUGGED,
+            placement=placement, ticket_keys=ticket_keys,
+        )  # fmt: skip
 
 
 def _engine_down(server) -> bool:

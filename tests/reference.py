@@ -65,7 +65,8 @@ def build_side(
     logical_count = math.ceil(num_tokens / side.logical_block_tokens)
     # One block pool per side, as in HMA: no id is in two groups at once.
     needed = sum(1 if kind == MAMBA else logical_count for kind in group_kinds)
-    free_ids = iter(rng.sample(range(max(pool_logical_blocks, needed)), needed))
+    # (block 0 is vLLM's null block: its pool never hands it to a request)
+    free_ids = iter(rng.sample(range(1, max(pool_logical_blocks, needed + 1)), needed))
     for kind in group_kinds:
         if kind == MAMBA:
             state_id = next(free_ids)

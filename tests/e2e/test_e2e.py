@@ -436,22 +436,26 @@ def stock_first_handshake_went_unanswered(workdir) -> bool:
 
 
 def test_ours_every_layer_window_recomputes_from_token_zero_on_every_fault(tmp_path):
-    """#41: a Mistral-shaped model (every layer over a 256-token window, one
-    sliding-window KV cache group, prompts past the window), prefill TP 2 ->
-    decode TP 1, decode keeping vLLM's default prefix caching. Before the
-    fix, under ``recompute`` four fault cells answered HTTP 200 with wrong
-    tokens and their next request (the same prompt) hit the wrong blocks
-    decode had cached: the request resumed at the window's first block over
-    null blocks (the one-group shape itself: tests/integration/
-    test_window_recompute.py). Every cell must now give one engine's tokens,
-    and so must the next request.
+    """#41: a Mistral-shaped model (every layer over a window of 8 tokens,
+    shorter than a logical block of 128; one sliding-window KV cache group,
+    prompts far past the window), prefill TP 2 -> decode TP 1, decode keeping
+    vLLM's default prefix caching. Two defects had this shape: under
+    ``recompute`` a failed request resumed at the window's first block over
+    null blocks, and its next request (the same prompt) hit the wrong blocks
+    decode had cached (4 cells on the 256-token window, ``swa-only``; the
+    one-group shape itself: tests/integration/test_window_recompute.py);
+    and decode, holding one block, paired prefill's list cut to its first
+    block and read it, HTTP 200 with wrong tokens under both policies
+    (``unpairable-block-lists``). Every cell must now give an error or one
+    engine's tokens, and so must the next request.
 
     CI's one sliding-window e2e run: it replaced the run of a window layer
     beside full attention (1 -> 1, every fault; 60 minutes from nothing),
     which vLLM runs without HMA as one full-attention group, the path the
     dense runs across hosts take (that fold: test_window_recompute.py; the
-    shape's last CI run: docs/measurements.md)."""
-    report, log = e2e(tmp_path, model="swa-only", p_tp=2, d_tp=1, faults=FAULTS)
+    shape's last CI run: docs/measurements.md). The 256-token window is a
+    hand run (``e2e --model swa-only --faults``)."""
+    report, log = e2e(tmp_path, model="swa-only-8", p_tp=2, d_tp=1, faults=FAULTS)
     assert_every_prompt_matches(report, log)
     assert_every_fault_fails_closed(report, log)  # recompute: the reference, and next too
     assert_plugin_metrics_account_for_the_run(report, log, d_tp=1)

@@ -16,7 +16,6 @@ import pytest
 from vllm_nixl_hma.harness.faults import (
     FAULTS,
     MODEL_KINDS,
-    WINDOW_ONLY_LAYOUTS,
     ModelKind,
     run_faults,
 )
@@ -86,15 +85,13 @@ def test_ours_refuses_every_affected_request_without_wrong_slots_or_leaks(outcom
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("fault", ["unpairable", "bad-token-span"])
 def test_lists_that_do_not_pair_fail_that_request_alone(outcomes, fault, kind):
-    """``bad-token-span`` (#26): with prefix caching the workers pair by the
-    span decode's scheduler hands them; a span the lists do not fit fails
-    the request before anything of it is read (``BlockAlignmentError``)."""
+    """``bad-token-span`` (#26): a span the lists do not fit fails the
+    request before anything of it is read (``BlockAlignmentError``): with
+    prefix caching of a hybrid the workers pair by it, and every receive's
+    prefill lists must be as long as its tokens need (#41; on a window-only
+    model a span two blocks shorter, ``faults.for_model_kind``)."""
     result = outcomes["NixlHMAConnector"][(fault, kind)]
-    if fault == "bad-token-span" and kind.startswith(tuple(WINDOW_ONLY_LAYOUTS)):
-        # no group pairs by a span: the tails pair, every request arrives (#41)
-        assert result.requests_failed == 0, result.error
-    else:
-        assert result.requests_failed == 1, result.error
+    assert result.requests_failed == 1, result.error
     assert result.silently_wrong_slots == 0  # the others arrived intact
     assert result.slots_checked > 1_000
     assert result.leaked_handles == 0

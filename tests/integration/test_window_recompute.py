@@ -214,3 +214,80 @@ def test_a_decode_side_hit_is_found_again_and_holds_the_window(tmp_path):
     (now,) = scheduler.kv_cache_manager.get_block_ids(request.request_id)
     window_start_block = (start - 40 + 1) // block_tokens
     assert NULL_BLOCK_ID not in now[window_start_block : start // block_tokens], now
+
+
+@pytest.mark.parametrize("window", [8, 40])
+def test_a_prefill_list_cut_short_is_refused_where_counts_would_pair_it(window, tmp_path):
+    """Decode's real lists for an every-layer window (vLLM's scheduler, with
+    our connector's scheduler side handing the span): with a window shorter
+    than a block decode reads one block, so pairing by counts takes any
+    prefill list of one block, the first block of the prompt included (the
+    e2e ``unpairable-block-lists`` cell answered HTTP 200 with wrong tokens
+    under both policies on the ``swa-only-8`` model). The span says how many
+    tokens prefill holds, so how long its list is: a cut list is refused,
+    the genuine one, whole or clipped to the window as vLLM's prefill clips
+    it under HMA, passes; on 0.33 through our worker's
+    ``_apply_prefix_caching`` (0.21's ``_read_blocks``:
+    tests/unit/test_worker_read_path.py)."""
+    from vllm_nixl_hma.core import blocks, positions
+    from vllm_nixl_hma.core.errors import BlockAlignmentError
+    from vllm_nixl_hma.core.groups import group_kinds, group_windows
+
+    vllm_config, kv_cache_config = engine_config(window_layout("swa-only", window), False, tmp_path)
+    scheduler = build_scheduler(vllm_config, kv_cache_config, "fail")
+    params = remote_params(scheduler)
+    request = remote_prefill_request(params=params)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    metadata = output.kv_connector_metadata
+    (decode_ids,) = metadata.reqs_to_recv[request.request_id].local_block_ids
+    span = getattr(metadata, positions.METADATA_ATTR)[request.request_id]
+    assert span == positions.TokenSpan(0, PROMPT_TOKENS)
+    block_tokens = scheduler.block_size
+    # decode holds the window's blocks only: one for a window shorter than a block
+    window_blocks = len(
+        range((PROMPT_TOKENS - window) // block_tokens, -(-PROMPT_TOKENS // block_tokens))
+    )
+    assert len(decode_ids) == window_blocks, decode_ids
+    groups = getattr(kv_cache_config, "transfer_groups", kv_cache_config.kv_cache_groups)
+    kinds, windows = group_kinds(groups), group_windows(groups)
+    assert windows == (window,)
+    whole = params["remote_block_ids"]  # one id per logical block of the prompt, from token 0
+    # vLLM's prefill under HMA: the last cdiv(window, block) + 1 blocks
+    clipped = whole[-(-(-window // block_tokens) + 1) :]
+    cut = whole[:1]
+
+    def check(prefill_ids):
+        positions.check_prefill_lists(
+            [prefill_ids], kinds, windows, span, block_tokens, remote_physical_per_logical=1
+        )
+
+    check(whole)
+    check(clipped)
+    with pytest.raises(
+        BlockAlignmentError, match=f"local='{len(clipped)} or {len(whole)}', remote=1"
+    ):
+        check(cut)
+    if window_blocks == 1:
+        # the count rule pairs the cut list: decode's block would get the prompt's first
+        _, (paired,) = blocks.align_kernel_ids_by_group([decode_ids], [cut], kinds, 1, 1)
+        assert paired.tolist() == [whole[0]]
+    else:
+        with pytest.raises(BlockAlignmentError):
+            blocks.align_kernel_ids_by_group([decode_ids], [cut], kinds, 1, 1)
+    if _compat.adapter() == "v033":
+        from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+
+        worker = object.__new__(NixlHMAConnectorWorker)
+        worker.kv_cache_config = kv_cache_config
+        worker._has_mamba = False
+        worker.block_size = block_tokens
+        worker._pairs_by_position = False
+        worker._span_being_read = span
+        worker._prefill_kernel_tokens_being_read = block_tokens
+        with pytest.raises(BlockAlignmentError, match="prefill kernel block count of group 0"):
+            worker._apply_prefix_caching([decode_ids], [cut], 1, 1)
+        assert worker._apply_prefix_caching([decode_ids], [whole], 1, 1) == (
+            [list(decode_ids)],
+            [whole[-len(decode_ids) :]],
+        )

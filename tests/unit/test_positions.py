@@ -217,3 +217,72 @@ def test_group_count_and_empty_requests():
 def test_span_for_prompt_is_prefill_tokens_less_what_is_read():
     assert span_for_prompt(prefill_tokens=40, external_tokens=24) == TokenSpan(16, 40)
     assert np.array_equal(np.asarray([TokenSpan(0, 3).prefill_tokens]), [3])
+
+
+# --- prefill's lists against the span's token count (#41) -------------------
+
+
+def check_lists(lists, kinds, windows, prefill_tokens, kernel_tokens, ratio):
+    from vllm_nixl_hma.core.positions import check_prefill_lists
+
+    check_prefill_lists(lists, kinds, windows, TokenSpan(0, prefill_tokens), kernel_tokens, ratio)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "windows", "tokens", "kernel_tokens", "ratio", "lengths"),
+    [
+        # 614 tokens in blocks of 128: 5 blocks, the last holding tokens 512..613
+        pytest.param([FULL], [0], 614, 128, 1, [5], id="full-614-of-128"),
+        pytest.param([FULL], [0], 512, 128, 1, [4], id="full-on-a-boundary"),
+        # logical blocks of 128 as 2 kernel blocks of 64: 5 logical, 10 kernel ids
+        pytest.param([FULL], [0], 614, 64, 2, [10], id="full-ratio-2"),
+        # window 8: whole (5) or clipped to cdiv(8, 128) + 1 = 2 blocks
+        pytest.param([SWA], [8], 614, 128, 1, [2, 5], id="window-8-of-128"),
+        # window 300: whole (5) or cdiv(300, 128) + 1 = 4
+        pytest.param([SWA], [300], 614, 128, 1, [4, 5], id="window-300-of-128"),
+        # window 1024 covers the prompt: clipped to 9 is the whole list of 5
+        pytest.param([SWA], [1024], 614, 128, 1, [5], id="window-longer-than-the-prompt"),
+        # window 40, kernel 16, ratio 2: 32-token logical blocks, 10 of them for
+        # 300 tokens (20 kernel ids), clipped cdiv(40, 32) + 1 = 3 (6 kernel ids)
+        pytest.param([SWA], [40], 300, 16, 2, [6, 20], id="window-40-ratio-2"),
+    ],
+)
+def test_prefill_lists_of_the_prompts_length_pass_and_no_other(
+    kinds, windows, tokens, kernel_tokens, ratio, lengths
+):
+    for length in range(0, 25):
+        lists = [list(range(100, 100 + length))]
+        if length in lengths or length == 0:  # 0: a rank that is no source of the group
+            check_lists(lists, kinds, windows, tokens, kernel_tokens, ratio)
+        else:
+            with pytest.raises(BlockAlignmentError) as refused:
+                check_lists(lists, kinds, windows, tokens, kernel_tokens, ratio)
+            assert refused.value.field == "prefill kernel block count of group 0"
+            assert refused.value.local == " or ".join(str(n) for n in lengths)
+            assert refused.value.remote == length
+
+
+def test_prefill_lists_skip_mamba_and_check_every_attention_group():
+    # a Mamba state list is checked where it pairs; the second group's cut
+    # list is named by its index
+    kinds, windows = [MAMBA, FULL, SWA], [0, 0, 8]
+    check_lists([[7], [1, 2, 3], [2, 3]], kinds, windows, 40, 16, 1)
+    check_lists([[7, 8, 9], [1, 2, 3], [1, 2, 3]], kinds, windows, 40, 16, 1)
+    with pytest.raises(BlockAlignmentError, match="group 1: local='3', remote=1"):
+        check_lists([[7], [1], [2, 3]], kinds, windows, 40, 16, 1)
+    with pytest.raises(BlockAlignmentError, match="number of KV cache groups"):
+        check_lists([[7], [1, 2, 3]], kinds, windows, 40, 16, 1)
+
+
+def test_a_null_block_is_never_read_from_prefill_in_an_attention_group():
+    from vllm_nixl_hma.core.positions import check_no_null_reads
+
+    check_no_null_reads([[5, 6], [0]], [FULL, MAMBA], 1)  # a Mamba list may hold it
+    check_no_null_reads([[2, 3]], [SWA], 2)  # kernel ids of logical block 1
+    for ids, kinds, ratio in (
+        ([[5, 0]], [FULL], 1),
+        ([[0]], [SWA], 1),
+        ([[4, 5, 1]], [SWA], 2),  # kernel id 1 is logical block 0's second half
+    ):
+        with pytest.raises(BlockAlignmentError, match="null block"):
+            check_no_null_reads(ids, kinds, ratio)

@@ -356,3 +356,91 @@ def test_handshake_refuses_unequal_ratios_with_prefix_caching_before_upstream_ch
     else:
         worker._validate_remote_agent_handshake(agent_metadata(6), 1)
         upstream.assert_called_once()
+
+
+#: an every-layer window of 8 tokens, shorter than a kernel block of 16: a
+#: 104-token prompt's window (tokens 96..103) lies in its 7th block alone
+SHORT_WINDOW_TOKENS = 8
+SHORT_WINDOW_PROMPT = 104
+GENUINE_PREFILL_LIST = [11, 12, 13, 14, 15, 16, 17]  # the prompt's 7 blocks from token 0
+
+
+def short_window_read(worker_cls, prefill_ids, mocker):
+    """Decode reads a 104-token prompt of a one-group, window-8 model (as
+    vLLM runs it without HMA) into its one window block (41), with our
+    scheduler side's span; returns the NIXL mock and the worker."""
+    nixl_wrapper = mocker.Mock()
+    nixl_wrapper.make_prepped_xfer.return_value = 7
+    worker = build_read_path_worker(
+        worker_cls,
+        [SWA],
+        1,
+        1,
+        nixl_wrapper,
+        logical_blocks=LOGICAL_BLOCKS,
+        kernel_block_tokens=KERNEL_BLOCK_TOKENS,
+        window_tokens=SHORT_WINDOW_TOKENS,
+    )
+    if worker_cls is NixlHMAConnectorWorker:
+        worker._token_spans["req-1"] = TokenSpan(0, SHORT_WINDOW_PROMPT)
+    meta = ReqMeta(
+        local_block_ids=[[41]],
+        local_physical_block_ids=[],
+        tp_size=1,
+        remote=RemoteMeta(
+            block_ids=[list(prefill_ids)],
+            host="127.0.0.1",
+            port=5600,
+            engine_id=REMOTE_ENGINE,
+            request_id="prefill-req-1",
+        ),
+    )
+    meta.local_physical_block_ids = worker._logical_to_kernel_block_ids(meta.local_block_ids)
+    worker._read_blocks_for_req("req-1", meta)
+    return nixl_wrapper, worker
+
+
+def remote_blocks_read(nixl_wrapper) -> list[int]:
+    (call,) = nixl_wrapper.make_prepped_xfer.call_args_list
+    return sorted(
+        {block for _, _, block in decode_desc_ids(call.args[4], LOGICAL_BLOCKS, 1, False)}
+    )
+
+
+@pytest.mark.parametrize(
+    "prefill_ids",
+    [
+        pytest.param(GENUINE_PREFILL_LIST, id="whole"),
+        pytest.param(GENUINE_PREFILL_LIST[-2:], id="clipped-to-the-window-as-under-hma"),
+        pytest.param([0, 0, 0, 0, 0, 16, 17], id="null-before-the-window"),
+    ],
+)
+def test_a_window_shorter_than_a_block_reads_the_prompts_last_block(prefill_ids, mocker):
+    nixl_wrapper, worker = short_window_read(NixlHMAConnectorWorker, prefill_ids, mocker)
+    assert worker._failed_recv_reqs == set()
+    assert remote_blocks_read(nixl_wrapper) == [17]
+
+
+@pytest.mark.parametrize(
+    ("prefill_ids", "refusal"),
+    [
+        pytest.param(GENUINE_PREFILL_LIST[:1], "local='2 or 7', remote=1", id="cut-to-one-block"),
+        pytest.param([0] * 7, "null block", id="null-blocks-only"),
+    ],
+)
+def test_a_prefill_list_that_fits_decodes_one_block_but_not_the_prompt_is_refused(
+    prefill_ids, refusal, mocker, caplog
+):
+    """Issue #41's window-8 cell: decode needs one block, so the count rule
+    pairs any list of one block (or the tail of a list of null blocks). Ours
+    knows the prompt's length from the span and refuses before any read;
+    stock reads prefill's block 11 (tokens 0..15) or its null block into
+    the window's block and decodes on it."""
+    nixl_wrapper, worker = short_window_read(NixlHMAConnectorWorker, prefill_ids, mocker)
+    nixl_wrapper.make_prepped_xfer.assert_not_called()
+    assert worker._failed_recv_reqs == {"req-1"}
+    assert refusal in caplog.text
+
+    stock_nixl, stock = short_window_read(NixlConnectorWorker, prefill_ids, mocker)
+    assert stock._failed_recv_reqs == set()
+    assert remote_blocks_read(stock_nixl) == [prefill_ids[-1]] != [17]

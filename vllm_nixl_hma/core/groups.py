@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm_nixl_hma.core import blocks
 
-__all__ = ["group_kinds", "group_kinds_of"]
+__all__ = ["group_kinds", "group_kinds_of", "group_windows"]
 
 
 def group_kinds_of(kv_cache_config: Any) -> tuple[blocks.GroupKind, ...]:
@@ -36,3 +36,18 @@ def group_kinds(groups: Any) -> tuple[blocks.GroupKind, ...]:
         else:
             kinds.append(blocks.GroupKind.FULL_ATTENTION)
     return tuple(kinds)
+
+
+def group_windows(groups: Any) -> tuple[int, ...]:
+    """The sliding window, in tokens, of each of ``groups``; 0 for a group
+    without one. A group of several specs of one type (vLLM 0.33's
+    ``UniformTypeKVCacheSpecs``) has the window of its specs, which vLLM
+    groups only when they agree."""
+    windows = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        specs = getattr(spec, "kv_cache_specs", None)
+        if specs:
+            spec = next(iter(specs.values()))
+        windows.append(int(getattr(spec, "sliding_window", None) or 0))
+    return tuple(windows)

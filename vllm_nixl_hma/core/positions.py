@@ -48,6 +48,8 @@ __all__ = [
     "METADATA_ATTR",
     "NULL_BLOCK_ID",
     "TokenSpan",
+    "check_no_null_reads",
+    "check_prefill_lists",
     "pair_by_token_position",
     "pairs_by_position",
     "span_for_prompt",
@@ -140,6 +142,108 @@ def worker_pairs_by_position(worker: object) -> bool:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _logical_blocks_sent(
+    kind: GroupKind, window_tokens: int, prefill_tokens: int, remote_logical_block_tokens: int
+) -> tuple[int, ...]:
+    """The logical block counts a genuine prefill sends for one attention
+    group of a request whose prefill holds ``prefill_tokens`` tokens: every
+    block from token 0; for a sliding-window group also that list clipped to
+    its last ``cdiv(window, block) + 1`` blocks, as vLLM's prefill does with
+    the hybrid KV cache manager on (``get_sw_clipped_blocks``, 0.21 and 0.33)."""
+    whole = _cdiv(prefill_tokens, remote_logical_block_tokens)
+    if kind is not GroupKind.SLIDING_WINDOW or window_tokens <= 0:
+        return (whole,)
+    clipped = min(whole, _cdiv(window_tokens, remote_logical_block_tokens) + 1)
+    return (whole,) if clipped == whole else (clipped, whole)
+
+
+def check_prefill_lists(
+    remote_kernel_ids_by_group: Sequence[KernelIds],
+    group_kinds: Sequence[GroupKind],
+    windows_tokens: Sequence[int],
+    span: TokenSpan,
+    remote_kernel_block_tokens: int,
+    remote_physical_per_logical: int,
+) -> None:
+    """Raise ``BlockAlignmentError`` unless prefill's list of every attention
+    group is as long as the list prefill holds for the span's prompt.
+
+    Decode knows its prompt, so it knows how many tokens prefill computed
+    (``span.prefill_tokens``) and how long each of prefill's lists must be
+    (``_logical_blocks_sent``, in kernel ids at prefill's ratio). Pairing by
+    counts cannot tell a list cut short from a decode that needs few blocks:
+    an every-layer sliding window shorter than a block leaves decode one
+    block to read, and any list of one block pairs with it (issue #41).
+    Mamba groups hold states, not tokens, and are checked where they pair;
+    an empty list is a prefill rank that is no source of its group.
+    """
+    if remote_kernel_block_tokens < 1 or remote_physical_per_logical < 1:
+        raise BlockAlignmentError(
+            "remote kernel block tokens / physical_per_logical",
+            None,
+            (remote_kernel_block_tokens, remote_physical_per_logical),
+            "block sizes are positive",
+        )
+    if len(remote_kernel_ids_by_group) != len(group_kinds) or len(windows_tokens) != len(
+        group_kinds
+    ):
+        raise BlockAlignmentError(
+            "number of KV cache groups",
+            len(group_kinds),
+            len(remote_kernel_ids_by_group),
+            f"prefill sends one block list per KV cache group ({len(group_kinds)}), "
+            f"and decode knows {len(windows_tokens)} windows",
+        )
+    logical_block_tokens = remote_kernel_block_tokens * remote_physical_per_logical
+    for group_index, kind in enumerate(group_kinds):
+        sent = len(remote_kernel_ids_by_group[group_index])
+        if kind is GroupKind.MAMBA or sent == 0:
+            continue
+        expected = tuple(
+            count * remote_physical_per_logical
+            for count in _logical_blocks_sent(
+                kind, windows_tokens[group_index], span.prefill_tokens, logical_block_tokens
+            )
+        )
+        if sent not in expected:
+            raise BlockAlignmentError(
+                f"prefill kernel block count of group {group_index}",
+                " or ".join(str(count) for count in expected),
+                sent,
+                f"prefill holds {span.prefill_tokens} tokens from token 0 in logical "
+                f"blocks of {logical_block_tokens} tokens"
+                + (
+                    f", and sends a window of {windows_tokens[group_index]} tokens whole or clipped"
+                    if len(expected) > 1
+                    else ""
+                ),
+            )
+
+
+def check_no_null_reads(
+    remote_kernel_ids_by_group: Sequence[KernelIds],
+    group_kinds: Sequence[GroupKind],
+    remote_physical_per_logical: int,
+) -> None:
+    """Raise ``BlockAlignmentError`` if decode is about to read vLLM's null
+    block from prefill in an attention group (its kernel ids are
+    ``0 .. remote_physical_per_logical - 1``). The null block never holds a
+    request's KV: sliding-window lists carry it before the window, and the
+    blocks paired for a read are always the window's own, so a null block
+    among them means a list that does not describe the prompt."""
+    for group_index, kind in enumerate(group_kinds):
+        if kind is GroupKind.MAMBA:
+            continue
+        ids = np.asarray(remote_kernel_ids_by_group[group_index], dtype=np.int64)
+        if ids.size and bool((ids // remote_physical_per_logical == NULL_BLOCK_ID).any()):
+            raise BlockAlignmentError(
+                f"prefill blocks read in group {group_index}",
+                None,
+                ids.tolist(),
+                f"vLLM's null block ({NULL_BLOCK_ID}) holds no KV and is never read",
+            )
 
 
 def _pair_full_attention(

@@ -61,9 +61,11 @@ class Scenario:
     #: others arrive intact
     unpairable_first_request: bool = False
     #: fault injection: the first request's token span (what decode's scheduler
-    #: hands its workers with prefix caching) claims two prefill logical blocks
-    #: more than its lists hold: no pairing by position fits it, it must fail alone
+    #: hands its workers) claims ``bad_span_blocks`` prefill logical blocks
+    #: more than its lists hold (fewer if negative): no list fits it, it must
+    #: fail alone
     bad_span_first_request: bool = False
+    bad_span_blocks: int = 2
     #: fault injection: the reads start inside prefill's lease, but decode
     #: first asks what finished after the lease ended (a read that finished
     #: late must not be trusted); the batch before it makes the handshake
@@ -712,7 +714,10 @@ def _run_scenario(
     ]
     if scenario.bad_span_first_request:
         hit, tokens = load_requests[0]["token_span"]
-        load_requests[0]["token_span"] = (hit, tokens + 2 * p_info["logical_block_tokens"])
+        load_requests[0]["token_span"] = (
+            hit,
+            tokens + scenario.bad_span_blocks * p_info["logical_block_tokens"],
+        )
     if scenario.unpairable_first_request:
         params = load_requests[0]["kv_transfer_params"]
         attention = p_info["group_kinds"].index(

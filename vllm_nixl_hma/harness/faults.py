@@ -57,6 +57,8 @@ class Fault:
     #: prefix caching on, lists paired by token position, and decode's scheduler
     #: hands the first request a token span its lists do not fit: it alone must fail
     bad_span: bool = False
+    #: how many prefill logical blocks the bad span claims beyond the prompt
+    bad_span_blocks: int = 2
     #: what decode's records (#27) must say of each request the fault stops
     #: (``"outcome/reason"``; the harness runs kv_load_failure_policy "fail")
     records: tuple[str, ...] = ()
@@ -299,13 +301,16 @@ def for_model_kind(fault: Fault, kind: ModelKind) -> Fault:
             expect_served=True,
         )
     if fault.bad_span and kind.layout in WINDOW_ONLY_LAYOUTS:
+        # a window list clipped to cdiv(window, block) + 1 blocks is as long
+        # for every prompt that fills them, so a span longer than the prompt
+        # may fit it (and is served right: both tails end at the prompt's last
+        # token); a span two blocks shorter than a 3-block prompt fits no list
         return replace(
             fault,
-            description=fault.description.split(":")[0]
-            + ": a model of sliding-window layers only pairs its lists by their tails, which "
-            "end at the prompt's last token on both sides, and reads no span: every request "
-            "arrives intact",
-            expect_served=True,
+            description="decode's scheduler side hands the first request a token span two "
+            "prefill blocks shorter than its lists: prefill's window list is longer than the "
+            "span's tokens fill, so that request fails alone, the other two arrive intact",
+            bad_span_blocks=-2,
         )
     return fault
 
@@ -364,6 +369,7 @@ def _scenarios(fault: Fault) -> list[Scenario]:
                 "mid-block",
                 unpairable_first_request=fault.unpairable,
                 bad_span_first_request=fault.bad_span,
+                bad_span_blocks=fault.bad_span_blocks,
             ),
             Scenario("boundary"),
         ]

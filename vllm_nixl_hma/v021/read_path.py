@@ -34,6 +34,7 @@ from vllm_nixl_hma.core import (  # noqa: E402
 from vllm_nixl_hma.core.errors import (  # noqa: E402
     BlockAlignmentError,
 )
+from vllm_nixl_hma.core.groups import group_windows  # noqa: E402
 from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["PageRunList", "ReadPath"]
@@ -128,11 +129,30 @@ class ReadPath:
         """vLLM 0.21.0 ``NixlConnectorWorker.start_load_kv``, after noting the
         token span of each request to receive (``positions.METADATA_ATTR``,
         set by ``NixlHMAConnector.build_connector_meta``). No upstream
-        counterpart: upstream pairs by list lengths."""
+        counterpart: upstream pairs by list lengths.
+
+        Every receive keeps its span, whichever way it pairs: the span's
+        token count is what prefill's lists must hold
+        (``positions.check_prefill_lists``). A span is dropped once its reads
+        are posted (``_read_blocks_for_req``), or here once upstream forgot
+        the request (``_recving_metadata``: a handshake that failed)."""
         spans = getattr(metadata, positions.METADATA_ATTR, None)
-        if spans and self._pairs_by_position:
-            self._token_spans.update(spans)
+        if self._token_spans:
+            in_flight = self._recving_metadata
+            for request_id in [r for r in self._token_spans if r not in in_flight]:
+                del self._token_spans[request_id]
+        if spans:
+            self._token_spans.update(
+                (request_id, span)
+                for request_id, span in spans.items()
+                if request_id in metadata.reqs_to_recv
+            )
         super().start_load_kv(metadata)
+
+    @functools.cached_property
+    def _group_windows(self) -> tuple[int, ...]:
+        """The sliding window of each KV cache group in tokens, 0 without one."""
+        return group_windows(self.kv_cache_config.kv_cache_groups)
 
     def _read_blocks_for_req(self, req_id: str, meta):
         """vLLM 0.21.0 ``NixlConnectorWorker._read_blocks_for_req``; the
@@ -173,14 +193,17 @@ class ReadPath:
         decode round the prompt to logical blocks of different sizes. What
         changes: the lists are aligned by ``_apply_prefix_caching`` first and
         upstream's ``_read_blocks`` gets lists of equal length (its trimming
-        then keeps everything). Lists that cannot be aligned fail the request
-        before anything is read, as upstream does with a failed transfer
-        setup. Remove when: vLLM >= 0.22.0 is the minimum.
+        then keeps everything). Prefill's lists must first be as long as the
+        lists of the prompt's tokens (``positions.check_prefill_lists``: a
+        list cut short pairs by counts with a decode that needs as few
+        blocks), and no block paired for reading may be vLLM's null block.
+        Lists that cannot be aligned fail the request before anything is
+        read, as upstream does with a failed transfer setup. Remove when:
+        vLLM >= 0.22.0 is the minimum.
         """
         if request_id in self._failed_recv_reqs:
             return  # refused on another remote rank already: nothing more is read
         self._note_read(read_spec, dst_engine_id, request_id)
-        # (start_load_kv keeps spans only when this worker pairs by position)
         span = self._token_spans.get(request_id)
         if not blocks.has_local_blocks(read_spec.local_block_ids):
             # nothing to read, only prefill to notify: upstream recognizes that
@@ -190,28 +213,39 @@ class ReadPath:
                 local_block_ids=[],
                 remote_block_ids=read_spec.remote_block_ids,
             )
-        elif span is not None or not _same_lengths(
-            read_spec.local_block_ids, read_spec.remote_block_ids
-        ):
-            # (without a span, equal lengths in every group pair index by index
-            # under every count rule, so the common case skips the conversions;
-            # after a decode hit at unequal ratios they may be equal by chance)
+        else:
             if self.transfer_topo is None:
                 raise RuntimeError("_read_blocks called before register_kv_caches")
-            remote_ratio = self.transfer_topo.get_engine_info(
-                dst_engine_id
-            ).remote_physical_blocks_per_logical
+            remote_info = self.transfer_topo.get_engine_info(dst_engine_id)
+            remote_ratio = remote_info.remote_physical_blocks_per_logical
             try:
                 if span is not None:
+                    positions.check_prefill_lists(
+                        read_spec.remote_block_ids,
+                        self._group_kinds,
+                        self._group_windows,
+                        span,
+                        remote_kernel_block_tokens=int(remote_info.remote_block_size),
+                        remote_physical_per_logical=remote_ratio,
+                    )
+                if span is not None and self._pairs_by_position:
                     local_kernel_ids_by_group, remote_kernel_ids_by_group = self._pair_by_position(
                         read_spec, span, remote_ratio
                     )
-                else:
+                elif not _same_lengths(read_spec.local_block_ids, read_spec.remote_block_ids):
                     local_kernel_ids_by_group, remote_kernel_ids_by_group = (
                         self._apply_prefix_caching(
                             read_spec.local_block_ids, read_spec.remote_block_ids, remote_ratio
                         )
                     )
+                else:
+                    # equal lengths in every group pair index by index under
+                    # every count rule, so the common case skips the conversions
+                    local_kernel_ids_by_group = read_spec.local_block_ids
+                    remote_kernel_ids_by_group = read_spec.remote_block_ids
+                positions.check_no_null_reads(
+                    remote_kernel_ids_by_group, self._group_kinds, remote_ratio
+                )
             except BlockAlignmentError as e:
                 self._fail_unalignable_request(request_id, dst_engine_id, read_spec, e)
                 return

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # no
 
 from vllm_nixl_hma.core import blocks, positions  # noqa: E402
 from vllm_nixl_hma.core.errors import BlockAlignmentError  # noqa: E402
+from vllm_nixl_hma.core.groups import group_windows  # noqa: E402
 from vllm_nixl_hma.core.transfer_records import Reason  # noqa: E402
 
 __all__ = ["ReadPath"]
@@ -32,6 +33,14 @@ class ReadPath:
     #: the token span of the request ``_read_blocks`` is pairing, for
     #: ``_apply_prefix_caching`` (which upstream calls with lists only)
     _span_being_read: positions.TokenSpan | None = None
+    #: the kernel block tokens of the prefill engine ``_read_blocks`` reads from
+    _prefill_kernel_tokens_being_read: int = 0
+
+    @functools.cached_property
+    def _group_windows(self) -> tuple[int, ...]:
+        """The sliding window of each transferred KV cache group in tokens, 0
+        without one."""
+        return group_windows(self.kv_cache_config.transfer_groups)
 
     @functools.cached_property
     def _pairs_by_position(self) -> bool:
@@ -56,14 +65,20 @@ class ReadPath:
         dropped once ``_read_blocks_for_req`` returns, as on 0.21: on 0.33
         that method also starts the handshake of an unknown prefill engine
         and returns, and the request comes back to it from the handshake
-        thread's queue."""
+        thread's queue. Every receive keeps its span, whichever way it
+        pairs: the span's token count is what prefill's lists must hold
+        (``positions.check_prefill_lists``)."""
         spans = getattr(metadata, positions.METADATA_ATTR, None)
         if self._token_spans:
             in_flight = self._recving_metadata
             for request_id in [r for r in self._token_spans if r not in in_flight]:
                 del self._token_spans[request_id]
-        if spans and self._pairs_by_position:
-            self._token_spans.update(spans)
+        if spans:
+            self._token_spans.update(
+                (request_id, span)
+                for request_id, span in spans.items()
+                if request_id in metadata.reqs_to_recv
+            )
         super().start_load_kv(metadata)
 
     def _apply_prefix_caching(
@@ -86,10 +101,44 @@ class ReadPath:
         fails the request (``_read_blocks``). With a token span (prefix
         caching of a Mamba hybrid, ``positions``): pairing by token position,
         where upstream pairs a decode-side hit at unequal ratios from token
-        0. Remove when: upstream pairs by position.
+        0. Before any pairing, prefill's lists must be as long as the lists
+        of the prompt's tokens (``positions.check_prefill_lists``: upstream
+        pairs a list cut short with a decode that needs as few blocks, an
+        every-layer window shorter than a block, and reads the wrong block),
+        and no block paired for reading is vLLM's null block
+        (``positions.check_no_null_reads``). Remove when: upstream pairs by
+        position and checks prefill's lists against ``remote_num_tokens``.
         """
         span = self._span_being_read
         if span is not None:
+            positions.check_prefill_lists(
+                prefill_block_ids,
+                self._group_kinds,
+                self._group_windows,
+                span,
+                remote_kernel_block_tokens=self._prefill_kernel_tokens_being_read,
+                remote_physical_per_logical=prefill_physical_per_logical,
+            )
+        decode_paired, prefill_paired = self._pair_lists(
+            decode_block_ids,
+            prefill_block_ids,
+            decode_physical_per_logical,
+            prefill_physical_per_logical,
+        )
+        positions.check_no_null_reads(
+            prefill_paired, self._group_kinds, prefill_physical_per_logical
+        )
+        return decode_paired, prefill_paired
+
+    def _pair_lists(
+        self,
+        decode_block_ids: BlockIds,
+        prefill_block_ids: BlockIds,
+        decode_physical_per_logical: int,
+        prefill_physical_per_logical: int,
+    ) -> tuple[BlockIds, BlockIds]:
+        span = self._span_being_read
+        if span is not None and self._pairs_by_position:
             local_aligned, remote_aligned = positions.pair_by_token_position(
                 decode_block_ids,
                 prefill_block_ids,
@@ -141,10 +190,12 @@ class ReadPath:
         checks fail the request.
         """
         self._note_read(read_spec, dst_engine_id, request_id)
-        self._span_being_read = (
-            self._token_spans.get(request_id) if self._pairs_by_position else None
-        )
+        self._span_being_read = span = self._token_spans.get(request_id)
         try:
+            if span is not None and self.transfer_topo is not None:
+                self._prefill_kernel_tokens_being_read = int(
+                    self.transfer_topo.get_engine_info(dst_engine_id).remote_block_size
+                )
             return super()._read_blocks(
                 read_spec,
                 dst_engine_id,

@@ -168,8 +168,12 @@ def decode_worker(vllm_config, worker_cls, mocker):
     nixl_wrapper = mocker.Mock()
     nixl_wrapper.get_new_notifs.return_value = {}
     nixl_wrapper.check_xfer_state.return_value = "PROC"  # a read stays in flight
+    # the groups and logical blocks of the ``hybrid`` layout's scheduler (a
+    # state group, then attention in blocks of 80 tokens: 5 kernel blocks of
+    # 16), so that prefill's lists fit the prompt's 299 tokens as decode's
+    # read checks them
     worker = build_read_path_worker(
-        worker_cls, [FULL, MAMBA], 4, 4, nixl_wrapper, logical_blocks=64
+        worker_cls, [MAMBA, FULL], 5, 5, nixl_wrapper, logical_blocks=64
     )
     worker.vllm_config = vllm_config
     worker.kv_transfer_config = vllm_config.kv_transfer_config

@@ -272,17 +272,3 @@ def test_prefill_lists_skip_mamba_and_check_every_attention_group():
         check_lists([[7], [1], [2, 3]], kinds, windows, 40, 16, 1)
     with pytest.raises(BlockAlignmentError, match="number of KV cache groups"):
         check_lists([[7], [1, 2, 3]], kinds, windows, 40, 16, 1)
-
-
-def test_a_null_block_is_never_read_from_prefill_in_an_attention_group():
-    from vllm_nixl_hma.core.positions import check_no_null_reads
-
-    check_no_null_reads([[5, 6], [0]], [FULL, MAMBA], 1)  # a Mamba list may hold it
-    check_no_null_reads([[2, 3]], [SWA], 2)  # kernel ids of logical block 1
-    for ids, kinds, ratio in (
-        ([[5, 0]], [FULL], 1),
-        ([[0]], [SWA], 1),
-        ([[4, 5, 1]], [SWA], 2),  # kernel id 1 is logical block 0's second half
-    ):
-        with pytest.raises(BlockAlignmentError, match="null block"):
-            check_no_null_reads(ids, kinds, ratio)

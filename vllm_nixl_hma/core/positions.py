@@ -48,7 +48,6 @@ __all__ = [
     "METADATA_ATTR",
     "NULL_BLOCK_ID",
     "TokenSpan",
-    "check_no_null_reads",
     "check_prefill_lists",
     "pair_by_token_position",
     "pairs_by_position",
@@ -219,30 +218,6 @@ def check_prefill_lists(
                     if len(expected) > 1
                     else ""
                 ),
-            )
-
-
-def check_no_null_reads(
-    remote_kernel_ids_by_group: Sequence[KernelIds],
-    group_kinds: Sequence[GroupKind],
-    remote_physical_per_logical: int,
-) -> None:
-    """Raise ``BlockAlignmentError`` if decode is about to read vLLM's null
-    block from prefill in an attention group (its kernel ids are
-    ``0 .. remote_physical_per_logical - 1``). The null block never holds a
-    request's KV: sliding-window lists carry it before the window, and the
-    blocks paired for a read are always the window's own, so a null block
-    among them means a list that does not describe the prompt."""
-    for group_index, kind in enumerate(group_kinds):
-        if kind is GroupKind.MAMBA:
-            continue
-        ids = np.asarray(remote_kernel_ids_by_group[group_index], dtype=np.int64)
-        if ids.size and bool((ids // remote_physical_per_logical == NULL_BLOCK_ID).any()):
-            raise BlockAlignmentError(
-                f"prefill blocks read in group {group_index}",
-                None,
-                ids.tolist(),
-                f"vLLM's null block ({NULL_BLOCK_ID}) holds no KV and is never read",
             )
 
 

@@ -196,8 +196,7 @@ class ReadPath:
         then keeps everything). Prefill's lists must first be as long as the
         lists of the prompt's tokens (``positions.check_prefill_lists``: a
         list cut short pairs by counts with a decode that needs as few
-        blocks), and no block paired for reading may be vLLM's null block.
-        Lists that cannot be aligned fail the request before anything is
+        blocks). Lists that cannot be aligned fail the request before anything is
         read, as upstream does with a failed transfer setup. Remove when:
         vLLM >= 0.22.0 is the minimum.
         """
@@ -243,9 +242,6 @@ class ReadPath:
                     # every count rule, so the common case skips the conversions
                     local_kernel_ids_by_group = read_spec.local_block_ids
                     remote_kernel_ids_by_group = read_spec.remote_block_ids
-                positions.check_no_null_reads(
-                    remote_kernel_ids_by_group, self._group_kinds, remote_ratio
-                )
             except BlockAlignmentError as e:
                 self._fail_unalignable_request(request_id, dst_engine_id, read_spec, e)
                 return

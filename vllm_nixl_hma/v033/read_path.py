@@ -104,10 +104,9 @@ class ReadPath:
         0. Before any pairing, prefill's lists must be as long as the lists
         of the prompt's tokens (``positions.check_prefill_lists``: upstream
         pairs a list cut short with a decode that needs as few blocks, an
-        every-layer window shorter than a block, and reads the wrong block),
-        and no block paired for reading is vLLM's null block
-        (``positions.check_no_null_reads``). Remove when: upstream pairs by
-        position and checks prefill's lists against ``remote_num_tokens``.
+        every-layer window shorter than a block, and reads the wrong block).
+        Remove when: upstream pairs by position and checks prefill's lists
+        against ``remote_num_tokens``.
         """
         span = self._span_being_read
         if span is not None:
@@ -119,16 +118,12 @@ class ReadPath:
                 remote_kernel_block_tokens=self._prefill_kernel_tokens_being_read,
                 remote_physical_per_logical=prefill_physical_per_logical,
             )
-        decode_paired, prefill_paired = self._pair_lists(
+        return self._pair_lists(
             decode_block_ids,
             prefill_block_ids,
             decode_physical_per_logical,
             prefill_physical_per_logical,
         )
-        positions.check_no_null_reads(
-            prefill_paired, self._group_kinds, prefill_physical_per_logical
-        )
-        return decode_paired, prefill_paired
 
     def _pair_lists(
         self,

@@ -272,3 +272,19 @@ def test_prefill_lists_skip_mamba_and_check_every_attention_group():
         check_lists([[7], [1], [2, 3]], kinds, windows, 40, 16, 1)
     with pytest.raises(BlockAlignmentError, match="number of KV cache groups"):
         check_lists([[7], [1, 2, 3]], kinds, windows, 40, 16, 1)
+
+
+def test_a_worker_holds_the_spans_of_requests_it_receives_until_upstream_forgets_them():
+    from vllm_nixl_hma.core.positions import hold_spans
+
+    held = {"waiting-for-handshake": TokenSpan(0, 40), "handshake-failed": TokenSpan(0, 50)}
+    handed = {"new": TokenSpan(16, 60), "ticket-refused": TokenSpan(0, 70)}
+    hold_spans(
+        held,
+        handed,
+        receiving={"new"},
+        in_flight={"waiting-for-handshake", "new"},
+    )
+    assert held == {"waiting-for-handshake": TokenSpan(0, 40), "new": TokenSpan(16, 60)}
+    hold_spans(held, None, receiving=set(), in_flight=set())
+    assert held == {}

@@ -34,7 +34,7 @@ handshake checks):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +49,7 @@ __all__ = [
     "NULL_BLOCK_ID",
     "TokenSpan",
     "check_prefill_lists",
+    "hold_spans",
     "pair_by_token_position",
     "pairs_by_position",
     "span_for_prompt",
@@ -108,6 +109,23 @@ def span_for_prompt(prefill_tokens: int, external_tokens: int) -> TokenSpan:
     (vLLM's count: the prompt, less its last token on a Mamba hybrid) of
     which decode reads ``external_tokens``, the rest being its own hit."""
     return TokenSpan(prefill_tokens - external_tokens, prefill_tokens)
+
+
+def hold_spans(
+    held: dict[str, TokenSpan],
+    handed: Mapping[str, TokenSpan] | None,
+    receiving: Container[str],
+    in_flight: Container[str],
+) -> None:
+    """A decode worker's spans (both releases' ``start_load_kv``): those of
+    requests no longer ``in_flight`` (upstream's receive metadata: finished,
+    failed, or refused at handshake) are dropped, and of the spans the
+    scheduler side ``handed`` over, those of requests ``receiving`` now are
+    kept (a request whose ticket was refused is not received)."""
+    for request_id in [r for r in held if r not in in_flight]:
+        del held[request_id]
+    if handed:
+        held.update((r, span) for r, span in handed.items() if r in receiving)
 
 
 def pairs_by_position(

@@ -136,17 +136,12 @@ class ReadPath:
         (``positions.check_prefill_lists``). A span is dropped once its reads
         are posted (``_read_blocks_for_req``), or here once upstream forgot
         the request (``_recving_metadata``: a handshake that failed)."""
-        spans = getattr(metadata, positions.METADATA_ATTR, None)
-        if self._token_spans:
-            in_flight = self._recving_metadata
-            for request_id in [r for r in self._token_spans if r not in in_flight]:
-                del self._token_spans[request_id]
-        if spans:
-            self._token_spans.update(
-                (request_id, span)
-                for request_id, span in spans.items()
-                if request_id in metadata.reqs_to_recv
-            )
+        positions.hold_spans(
+            self._token_spans,
+            getattr(metadata, positions.METADATA_ATTR, None),
+            receiving=metadata.reqs_to_recv,
+            in_flight=self._recving_metadata,
+        )
         super().start_load_kv(metadata)
 
     @functools.cached_property

@@ -68,17 +68,12 @@ class ReadPath:
         thread's queue. Every receive keeps its span, whichever way it
         pairs: the span's token count is what prefill's lists must hold
         (``positions.check_prefill_lists``)."""
-        spans = getattr(metadata, positions.METADATA_ATTR, None)
-        if self._token_spans:
-            in_flight = self._recving_metadata
-            for request_id in [r for r in self._token_spans if r not in in_flight]:
-                del self._token_spans[request_id]
-        if spans:
-            self._token_spans.update(
-                (request_id, span)
-                for request_id, span in spans.items()
-                if request_id in metadata.reqs_to_recv
-            )
+        positions.hold_spans(
+            self._token_spans,
+            getattr(metadata, positions.METADATA_ATTR, None),
+            receiving=metadata.reqs_to_recv,
+            in_flight=self._recving_metadata,
+        )
         super().start_load_kv(metadata)
 
     def _apply_prefix_caching(
@@ -118,21 +113,6 @@ class ReadPath:
                 remote_kernel_block_tokens=self._prefill_kernel_tokens_being_read,
                 remote_physical_per_logical=prefill_physical_per_logical,
             )
-        return self._pair_lists(
-            decode_block_ids,
-            prefill_block_ids,
-            decode_physical_per_logical,
-            prefill_physical_per_logical,
-        )
-
-    def _pair_lists(
-        self,
-        decode_block_ids: BlockIds,
-        prefill_block_ids: BlockIds,
-        decode_physical_per_logical: int,
-        prefill_physical_per_logical: int,
-    ) -> tuple[BlockIds, BlockIds]:
-        span = self._span_being_read
         if span is not None and self._pairs_by_position:
             local_aligned, remote_aligned = positions.pair_by_token_position(
                 decode_block_ids,

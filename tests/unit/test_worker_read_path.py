@@ -69,6 +69,24 @@ def decode_desc_ids(desc_ids, num_kernel_blocks, physical_per_logical, has_mamba
     return decoded
 
 
+def read_request(worker, request_id, local_block_ids, remote_block_ids, remote_request_id):
+    """What start_load_kv does for one request before _read_blocks_for_req, then that."""
+    meta = ReqMeta(
+        local_block_ids=local_block_ids,
+        local_physical_block_ids=[],
+        tp_size=1,
+        remote=RemoteMeta(
+            block_ids=remote_block_ids,
+            host="127.0.0.1",
+            port=5600,
+            engine_id=REMOTE_ENGINE,
+            request_id=remote_request_id,
+        ),
+    )
+    meta.local_physical_block_ids = worker._logical_to_kernel_block_ids(meta.local_block_ids)
+    worker._read_blocks_for_req(request_id, meta)
+
+
 def run_read_path(
     worker_cls,
     group_kinds,
@@ -121,21 +139,13 @@ def run_read_path(
         worker._pairs_by_position = True
         hit_tokens = hit_logical_blocks * KERNEL_BLOCK_TOKENS * local_ratio
         worker._token_spans["req-1"] = TokenSpan(hit_tokens, num_tokens)
-    meta = ReqMeta(
-        local_block_ids=[list(g) for g in local.logical_ids_by_group],
-        local_physical_block_ids=[],
-        tp_size=1,
-        remote=RemoteMeta(
-            block_ids=remote_block_ids,
-            host="127.0.0.1",
-            port=5600,
-            engine_id=REMOTE_ENGINE,
-            request_id="prefill-req-1",
-        ),
+    read_request(
+        worker,
+        "req-1",
+        [list(g) for g in local.logical_ids_by_group],
+        remote_block_ids,
+        "prefill-req-1",
     )
-    # What start_load_kv does before _read_blocks_for_req.
-    meta.local_physical_block_ids = worker._logical_to_kernel_block_ids(meta.local_block_ids)
-    worker._read_blocks_for_req("req-1", meta)
 
     assert nixl_wrapper.make_prepped_xfer.call_count == 1, worker._failed_recv_reqs
     args = nixl_wrapper.make_prepped_xfer.call_args.args
@@ -383,20 +393,7 @@ def short_window_read(worker_cls, prefill_ids, mocker):
     )
     if worker_cls is NixlHMAConnectorWorker:
         worker._token_spans["req-1"] = TokenSpan(0, SHORT_WINDOW_PROMPT)
-    meta = ReqMeta(
-        local_block_ids=[[41]],
-        local_physical_block_ids=[],
-        tp_size=1,
-        remote=RemoteMeta(
-            block_ids=[list(prefill_ids)],
-            host="127.0.0.1",
-            port=5600,
-            engine_id=REMOTE_ENGINE,
-            request_id="prefill-req-1",
-        ),
-    )
-    meta.local_physical_block_ids = worker._logical_to_kernel_block_ids(meta.local_block_ids)
-    worker._read_blocks_for_req("req-1", meta)
+    read_request(worker, "req-1", [[41]], [list(prefill_ids)], "prefill-req-1")
     return nixl_wrapper, worker
 
 

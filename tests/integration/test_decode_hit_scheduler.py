@@ -28,7 +28,7 @@ from vllm_nixl_hma.harness.model_shapes import installed_layouts
 pytestmark = pytest.mark.slow
 
 #: Mamba cache modes the installed vLLM offers with prefix caching (0.33 has no 'all')
-MODES = ["align"] if _compat.adapter() == "v033" else ["align", "all"]
+MODES = ["align"] if _compat.builds_on("v033") else ["align", "all"]
 
 
 @pytest.fixture(scope="module", params=MODES)

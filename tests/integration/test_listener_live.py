@@ -173,7 +173,7 @@ def test_a_port_that_cannot_be_bound_fails_startup_instead_of_hanging(records):
 def test_the_upstream_names_the_override_relies_on_are_there():
     upstream_contract.require(
         NixlConnectorScheduler,
-        glue.OVERRIDES,
+        upstream_contract.installed().listener_overrides,
         owner_name="NixlConnectorScheduler",
         release="0.21.0",
     )

@@ -80,7 +80,7 @@ def fail_the_load(scheduler, request=None, invalid_only=False):
     told = {b for group in meta.local_block_ids for b in group} - {NULL_BLOCK_ID}
     assert told
     failed = {}
-    if _compat.adapter() == "v033" and not invalid_only:
+    if _compat.builds_on("v033") and not invalid_only:
         failed["failed_recving"] = {request.request_id}
         one_group = len(scheduler.kv_cache_config.kv_cache_groups) == 1
         told = told if one_group else set()
@@ -172,7 +172,7 @@ def test_upstreams_scheduler_resumes_a_window_on_null_blocks(tmp_path):
 
 
 @pytest.mark.skipif(
-    _compat.adapter() == "v033",
+    _compat.builds_on("v033"),
     reason="vLLM 0.33.0's scheduler asserts in BlockPool.cache_full_blocks (block_mask length) "
     "when it places this test's second request (one sliding-window group, a local hit, the "
     "rest remote), before any failure; whether an engine meets it is not established (no "
@@ -275,7 +275,7 @@ def test_a_prefill_list_cut_short_is_refused_where_counts_would_pair_it(window, 
     else:
         with pytest.raises(BlockAlignmentError):
             blocks.align_kernel_ids_by_group([decode_ids], [cut], kinds, 1, 1)
-    if _compat.adapter() == "v033":
+    if _compat.builds_on("v033"):
         from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
 
         worker = object.__new__(NixlHMAConnectorWorker)

@@ -37,6 +37,7 @@ def test_lazy_exports_resolve_to_the_connector_classes():
 
     assert vllm_nixl_hma.NixlHMAConnector.__name__ == "NixlHMAConnector"
     assert vllm_nixl_hma.NixlHMAConnector.__module__ == plugin.connector_module()
-    assert (_compat.adapter() == "v033") == (".v033." in vllm_nixl_hma.NixlHMAConnector.__module__)
+    glue = _compat.glue_module(_compat.adapter(), "connector")
+    assert vllm_nixl_hma.NixlHMAConnector.__module__ == glue
     assert vllm_nixl_hma.NixlHMAConnectorWorker.__name__ == "NixlHMAConnectorWorker"
     assert set(vllm_nixl_hma.__all__) <= set(dir(vllm_nixl_hma))

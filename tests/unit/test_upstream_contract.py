@@ -6,44 +6,42 @@ override cannot go unlisted), every listed name exists upstream, and taking
 one listed name away from upstream stops the worker, connector or scheduler
 at startup with ``UpstreamDriftError`` naming it (before #22: the override of
 a method upstream no longer calls was dead code, and ``getattr`` defaults
-turned checks off). Runs in the vLLM 0.21.0 and the 0.33 environment.
+turned checks off). And the parameters: each listed method's, read from
+the installed vLLM, is the one recorded for the tested release (what the
+glue's overrides were written against), and a changed one stops startup
+naming it; on vLLM 0.34.0 the 0.33 glue's contract names both signatures
+0.34.0 changed. Runs in the vLLM 0.21.0, 0.33 and 0.34 environments.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 
 import pytest
 
 from vllm_nixl_hma import _compat
-from vllm_nixl_hma.core import upstream_contract
+from vllm_nixl_hma.core import signatures, upstream_contract
 from vllm_nixl_hma.core.errors import UpstreamDriftError
 
 ADAPTER = _compat.adapter()
-CONTRACT = upstream_contract.V021 if ADAPTER == "v021" else upstream_contract.V033
+CONTRACT = upstream_contract.installed()
+
+
+def upstream_class(dotted: str) -> type:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def glue():
     """(our worker, upstream worker, our connector, upstream connector)."""
-    if ADAPTER == "v021":
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
-            NixlConnectorWorker,
-        )
-
-        from vllm_nixl_hma.v021.connector import NixlHMAConnector
-        from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
-
-        return NixlHMAConnectorWorker, NixlConnectorWorker, NixlHMAConnector, NixlConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-        NixlPullConnectorWorker,
+    ours = importlib.import_module(_compat.glue_module(ADAPTER, "connector"))
+    return (
+        ours.NixlHMAConnectorWorker,
+        upstream_class(CONTRACT.worker_class),
+        ours.NixlHMAConnector,
+        upstream_class(CONTRACT.connector_class),
     )
-
-    from vllm_nixl_hma.v033.connector import NixlHMAConnector
-    from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
-
-    return NixlHMAConnectorWorker, NixlPullConnectorWorker, NixlHMAConnector, NixlPullConnector
 
 
 def overrides(ours: type, upstream: type) -> set[str]:
@@ -153,3 +151,94 @@ if ADAPTER == "v021":  # our schedulers are vLLM 0.21.0 glue (0.33 needs none)
         monkeypatch.delattr(Scheduler, "_update_requests_with_invalid_blocks")
         with pytest.raises(UpstreamDriftError, match="_update_requests_with_invalid_blocks"):
             NixlHMAScheduler()
+
+
+def test_the_recorded_signatures_are_the_installed_releases():
+    """``vllm_nixl_hma/snapshots`` was read from each release's source by
+    ``vllm-nixl-hma drift --record``; startup compares them with the live
+    classes (``inspect``), so the two readings must agree for every name."""
+    owners = {"worker": CONTRACT.worker_class, "connector": CONTRACT.connector_class}
+    owners["listener"] = CONTRACT.listener_class
+    if CONTRACT.scheduler_class:
+        owners["scheduler"] = CONTRACT.scheduler_class
+    assert CONTRACT.snapshot["release"] == _compat.TESTED[ADAPTER]
+    checked = 0
+    for owner, path in owners.items():
+        cls = upstream_class(path)
+        for name, recorded in CONTRACT.snapshot["owners"][owner]["methods"].items():
+            assert recorded is not None, (owner, name)
+            assert signatures.of_function(getattr(cls, name)) == recorded["signature"], name
+            checked += 1
+    assert checked >= len(CONTRACT.worker_overrides) + len(CONTRACT.connector_overrides)
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+
+    assert metadata.NIXL_CONNECTOR_VERSION == CONTRACT.snapshot["wire_version"]
+
+
+def test_our_overrides_take_the_parameters_upstream_passes():
+    """Each override of ours accepts what upstream's method accepts: the same
+    parameters, or a ``*args, **kwargs`` pass-through."""
+    ours, upstream, our_connector, upstream_connector = glue()
+    for mine, theirs, names in (
+        (ours, upstream, CONTRACT.worker_overrides),
+        (our_connector, upstream_connector, CONTRACT.connector_overrides),
+    ):
+        for name in names:
+            found = signatures.of_function(getattr(mine, name))
+            if "*" in found and "**" in found:
+                continue
+            assert found == signatures.of_function(getattr(theirs, name)), name
+
+
+def test_a_changed_signature_stops_the_worker_naming_it(monkeypatch):
+    """An upstream method of the contract that takes one more parameter (as
+    vLLM 0.34.0's ``_build_mamba_remote`` did) stops the worker before
+    upstream's constructor runs, naming both parameter lists."""
+    ours, upstream, _, _ = glue()
+    name = "_build_mamba_remote"
+    original = getattr(upstream, name)
+
+    def changed(self, nixl_agent_meta, tp_ratio, transfer_info, pairs, extra=None):
+        return original(self, nixl_agent_meta, tp_ratio, transfer_info)
+
+    monkeypatch.setattr(upstream, name, changed)
+    constructed = []
+    monkeypatch.setattr(
+        upstream, "__init__", lambda self, *args, **kwargs: constructed.append(self)
+    )
+    monkeypatch.setattr(ours, "shutdown", lambda self: None)
+    with pytest.raises(UpstreamDriftError) as refusal:
+        ours(None, "engine", None)
+    assert refusal.value.changed[0][0] == name
+    assert "extra=)" in str(refusal.value) and CONTRACT.signature_of("worker", name) in str(
+        refusal.value
+    )
+    assert constructed == []
+    gc.collect()
+
+
+def test_another_wire_version_stops_the_worker(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+
+    expected = CONTRACT.snapshot["wire_version"]
+    monkeypatch.setattr(metadata, "NIXL_CONNECTOR_VERSION", expected + 1)
+    with pytest.raises(UpstreamDriftError, match=f"NIXL_CONNECTOR_VERSION = {expected}"):
+        CONTRACT.require_wire_version()
+
+
+@pytest.mark.skipif(ADAPTER != "v034", reason="vLLM 0.34.0 only: the 0.33 glue pointed at it")
+def test_the_033_contract_on_034_names_both_changed_signatures():
+    """The port's first finding, at startup: vLLM 0.34.0 added
+    ``local_region_ids`` to ``_validate_remote_agent_handshake`` and ``pairs``
+    to ``_build_mamba_remote``; the 0.33 glue's overrides would raise
+    ``TypeError`` on the first handshake. Its contract refuses to start."""
+    _, upstream, _, _ = glue()
+    with pytest.raises(UpstreamDriftError) as refusal:
+        upstream_contract.V033.require_worker_class(upstream)
+    assert [c[0] for c in refusal.value.changed] == [
+        "_build_mamba_remote",
+        "_validate_remote_agent_handshake",
+    ]
+    assert "transfer_info, pairs)" in str(refusal.value)
+    with pytest.raises(UpstreamDriftError, match="NIXL_CONNECTOR_VERSION = 15"):
+        upstream_contract.V033.require_wire_version()

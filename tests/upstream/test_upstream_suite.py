@@ -129,7 +129,7 @@ def start_upstream(
         listed = tmp_path / f"{tag}-only.json"
         listed.write_text(json.dumps(only))
         env["NIXL_HMA_UPSTREAM_ONLY"] = str(listed)
-    if _compat.adapter() == "v033" and not _has_cuda():
+    if _compat.builds_on("v033") and not _has_cuda():
         # vLLM 0.33's CUDA wheel on a host without a GPU: its CPU platform
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     plugins = ["-p", "nixl_hma_upstream_env"]
@@ -195,7 +195,7 @@ def installed_release():
 def suite_outcomes(installed_release, tmp_path_factory):
     root = release_root(installed_release)
     tmp_path = tmp_path_factory.mktemp("upstream")
-    suite = SUITE_V033 if _compat.adapter() == "v033" else SUITE
+    suite = SUITE_V033 if _compat.builds_on("v033") else SUITE
     ours = run_all(
         [
             start_upstream(root, suite, ours=True, tmp_path=tmp_path, tag=f"ours-{k}",

@@ -1,6 +1,7 @@
-"""The plugin on vLLM 0.33: which glue loads, and what the 0.21-only parts leave alone (#13).
+"""The plugin on vLLM 0.33 and 0.34: which glue loads, and what the 0.21-only
+parts leave alone (#13, #42).
 
-Runs in the vLLM 0.33 environment (tools/env.sh v033).
+Runs in the vLLM 0.33 and 0.34 environments (tools/env.sh v033, v034).
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from vllm_nixl_hma.v021 import config_hook
 pytestmark = pytest.mark.vllm033
 
 
-def test_the_installed_vllm_is_033_and_gets_its_glue():
-    assert _compat.installed_vllm_version().startswith("0.33.")
-    assert _compat.adapter() == "v033"
-    assert plugin.connector_module() == "vllm_nixl_hma.v033.connector"
+#: the installed release's glue: v033, or v034 (written as a difference from v033)
+GLUE = _compat.adapter()
+
+
+def test_the_installed_vllm_is_033_or_034_and_gets_its_glue():
+    release = {"v033": "0.33.", "v034": "0.34."}[GLUE]
+    assert _compat.installed_vllm_version().startswith(release)
+    assert _compat.builds_on("v033")
+    assert plugin.connector_module() == f"vllm_nixl_hma.{GLUE}.connector"
 
 
 def test_the_name_resolves_to_our_pull_connector_with_our_worker():
@@ -34,14 +40,14 @@ def test_the_name_resolves_to_our_pull_connector_with_our_worker():
     plugin.register()
     plugin.register()  # idempotent: the factory raises on a duplicate name
     connector_cls = KVConnectorFactory._registry[plugin.CONNECTOR_NAME]()
-    assert connector_cls.__module__ == "vllm_nixl_hma.v033.connector"
+    assert connector_cls.__module__ == f"vllm_nixl_hma.{GLUE}.connector"
     assert issubclass(connector_cls, NixlPullConnector)
     assert issubclass(connector_cls.worker_cls, NixlPullConnectorWorker)
-    assert connector_cls.worker_cls.__module__ == "vllm_nixl_hma.v033.worker"
+    assert connector_cls.worker_cls.__module__ == f"vllm_nixl_hma.{GLUE}.worker"
 
 
 def test_the_021_glue_refuses_to_import_here():
-    with pytest.raises(UnsupportedVersionError, match="glue for vLLM ==0.21.0"):
+    with pytest.raises(UnsupportedVersionError, match="glue for vLLM >=0.21.0,<0.22"):
         import vllm_nixl_hma.v021.connector  # noqa: F401
 
 

@@ -20,7 +20,7 @@ import zmq
 
 from vllm_nixl_hma import _compat
 
-if _compat.adapter() != "v033":
+if not _compat.builds_on("v033"):
     # this module imports vLLM 0.33's modules at its top; the vLLM 0.21 suite
     # collects tests/v033 and deselects it (marker vllm033): nothing runs there
     pytest.skip("vLLM 0.33's environment only", allow_module_level=True)
@@ -200,7 +200,7 @@ def test_a_port_that_cannot_be_bound_fails_startup_instead_of_hanging(records):
 def test_the_upstream_names_the_override_relies_on_are_there():
     upstream_contract.require(
         NixlPullConnectorScheduler,
-        glue.OVERRIDES,
+        upstream_contract.installed().listener_overrides,
         owner_name="NixlPullConnectorScheduler",
         release="0.33.0",
     )

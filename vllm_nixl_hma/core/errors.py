@@ -57,18 +57,37 @@ class UnsupportedModelError(RuntimeError):
 
 class UpstreamDriftError(RuntimeError):
     """A private name of vLLM's NIXL connector that a release's glue relies on is
-    missing from the installed vLLM: raised when the worker, connector or
-    scheduler starts, naming what is missing, instead of a fallback that would
-    silently turn a check off."""
+    missing from the installed vLLM, or has other parameters (or vLLM's wire
+    version differs): raised when the worker, connector or scheduler starts,
+    naming what changed, instead of a fallback that would silently turn a
+    check off or a ``TypeError`` on the first call."""
 
-    def __init__(self, release: str, owner: str, missing: list[str], installed: str | None):
+    def __init__(
+        self,
+        release: str,
+        owner: str,
+        missing: list[str],
+        installed: str | None,
+        changed: list[tuple[str, str, str]] = (),
+    ):
         self.release = release
         self.owner = owner
         self.missing = missing
+        self.changed = list(changed)  # (name, what the glue expects, what is installed)
         self.installed = installed
+        version = installed or "(unknown version)"
+        if self.changed:
+            name, expected, found = self.changed[0]
+            problem = (
+                f"{owner}.{name}{expected}, which the installed vLLM {version} has as "
+                f"{name}{found} (changed: {', '.join(c[0] for c in self.changed)})"
+            )
+        else:
+            problem = (
+                f"{owner}.{missing[0]}, which the installed vLLM {version} does not have "
+                f"(missing: {', '.join(missing)})"
+            )
         super().__init__(
-            f"vllm_nixl_hma's glue for vLLM {release} relies on {owner}."
-            + f"{missing[0]}, which the installed vLLM {installed or '(unknown version)'} "
-            + f"does not have (missing: {', '.join(missing)}); this vLLM's NIXL connector "
-            + "is not the one the glue was written and tested against"
+            f"vllm_nixl_hma's glue for vLLM {release} relies on {problem}; this vLLM's "
+            "NIXL connector is not the one the glue was written and tested against"
         )

@@ -1,29 +1,55 @@
 """Which private names of vLLM's NIXL connector each release's glue relies on,
-and the check that they are there.
+and the check that they are there, with the parameters the glue expects.
 
 The glue subclasses vLLM's connector, worker and scheduler and calls or
 replaces their private methods and reads their private state. A release that
 renames one of them would not fail: an override of a method upstream no longer
-calls is dead code, and a ``getattr(obj, name, default)`` turns a check off.
-So every such name is listed here, per release and per upstream owner, and
-``require`` is called when the worker, connector or scheduler starts; a missing
-name stops startup with ``UpstreamDriftError`` naming it.
+calls is dead code, and a ``getattr(obj, name, default)`` turns a check off. A
+release that adds a parameter to one of them would fail on the first call
+(vLLM 0.34.0 passes ``_validate_remote_agent_handshake`` a fourth argument, an
+override written for 0.33.0 takes three). So every such name is listed here,
+per release and per upstream owner, and the worker, connector and scheduler
+check them when they start: a missing name, a method whose parameters differ
+from those of the release the glue was tested on (``signatures``; the
+recorded ones are in ``vllm_nixl_hma/snapshots/``, written by ``vllm-nixl-hma
+drift --record``), or another NIXL wire version stops startup with
+``UpstreamDriftError`` naming the first mismatch.
 
 Pure: no vLLM import; the glue passes the upstream objects in. The lists are
 the contract; ``tests/unit/test_upstream_contract.py`` checks on each installed
 release that every override the glue defines is listed (a new override must be
-added here) and that removing a listed name stops startup.
+added here), that the recorded parameters are the installed release's, and
+that removing a listed name or changing a signature stops startup.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from importlib import resources
 
+from vllm_nixl_hma.core import signatures
 from vllm_nixl_hma.core.errors import UpstreamDriftError
 
-__all__ = ["V021", "V033", "Contract", "names_swapped", "require"]
+__all__ = [
+    "CONTRACTS",
+    "V021",
+    "V033",
+    "V034",
+    "Contract",
+    "installed",
+    "names_swapped",
+    "require",
+    "require_signatures",
+]
+
+_NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+#: where vLLM keeps ``NIXL_CONNECTOR_VERSION``, the handshake's wire version
+WIRE_MODULE = f"{_NIXL}.metadata"
 
 
 @dataclass(frozen=True)
@@ -31,6 +57,11 @@ class Contract:
     """One release's names, grouped by the upstream object that must have them."""
 
     release: str
+    #: the upstream classes and module, by dotted path
+    worker_class: str
+    connector_class: str
+    listener_class: str
+    worker_module_path: str
     worker_overrides: tuple[str, ...]  # worker methods our worker overrides
     worker_calls: tuple[str, ...]  # worker methods our worker calls
     worker_module: tuple[str, ...]  # names of upstream's worker module we swap or use
@@ -42,15 +73,66 @@ class Contract:
     #: what our scheduler reads of each of its KV cache manager's per-group
     #: managers (``kv_cache_manager.coordinator.single_type_managers``)
     group_manager_state: tuple[str, ...] = ()
+    #: upstream methods our side-channel listener's scheduler overrides
+    listener_overrides: tuple[str, ...] = (
+        "_nixl_handshake_listener",
+        "build_connector_meta",
+        "set_xfer_handshake_metadata",
+    )
+    #: state the listener's upstream constructor sets, we read
+    listener_state: tuple[str, ...] = ("_stop_event",)
+    #: vLLM's scheduler class, where our scheduler overrides it (0.21.0)
+    scheduler_class: str | None = None
+
+    @functools.cached_property
+    def snapshot(self) -> dict:
+        """What ``vllm-nixl-hma drift --record`` read of this release: for
+        each owner, each listed method's parameters and body digest."""
+        name = f"vllm-{self.release}.json"
+        return json.loads(resources.files("vllm_nixl_hma").joinpath("snapshots", name).read_text())
+
+    def signature_of(self, owner: str, name: str) -> str:
+        """The parameters of upstream's ``owner`` (``worker``, ``connector``,
+        ``listener``, ``scheduler``) method ``name`` on the tested release."""
+        return self.snapshot["owners"][owner]["methods"][name]["signature"]
 
     def require_worker_class(self, upstream_worker: type) -> None:
-        """Before upstream's constructor: the methods we override or call."""
-        require(
-            upstream_worker,
-            self.worker_overrides + self.worker_calls,
-            owner_name=upstream_worker.__name__,
+        """Before upstream's constructor: the methods we override or call,
+        with the parameters they had on the tested release, and the wire
+        version."""
+        names = self.worker_overrides + self.worker_calls
+        require(upstream_worker, names, owner_name=upstream_worker.__name__, release=self.release)
+        self.require_signatures(upstream_worker, "worker", names)
+        self.require_wire_version()
+
+    def require_signatures(self, upstream: type, owner: str, names: Iterable[str]) -> None:
+        """``UpstreamDriftError`` naming the first of ``names`` whose parameters
+        on ``upstream`` differ from the tested release's."""
+        require_signatures(
+            upstream,
+            {name: self.signature_of(owner, name) for name in names},
+            owner_name=upstream.__name__,
             release=self.release,
         )
+
+    def require_wire_version(self) -> None:
+        """``UpstreamDriftError`` unless vLLM's ``NIXL_CONNECTOR_VERSION`` is the
+        tested release's: a new one means the handshake's metadata changed."""
+        import importlib
+
+        module = importlib.import_module(WIRE_MODULE)
+        expected = self.snapshot["wire_version"]
+        found = getattr(module, "NIXL_CONNECTOR_VERSION", None)
+        if found != expected:
+            from vllm_nixl_hma._compat import installed_vllm_version
+
+            raise UpstreamDriftError(
+                self.release,
+                WIRE_MODULE,
+                [],
+                installed_vllm_version(),
+                changed=[("NIXL_CONNECTOR_VERSION", f" = {expected}", f" = {found}")],
+            )
 
     def require_state(
         self, instance: object, names: tuple[str, ...], upstream: type, after: str
@@ -70,10 +152,16 @@ class Contract:
             release=self.release,
             below=interface,
         )
+        self.require_signatures(upstream_connector, "connector", self.connector_overrides)
 
 
 V021 = Contract(
     release="0.21.0",
+    worker_class=f"{_NIXL}.worker.NixlConnectorWorker",
+    connector_class=f"{_NIXL}.connector.NixlConnector",
+    listener_class=f"{_NIXL}.scheduler.NixlConnectorScheduler",
+    worker_module_path=f"{_NIXL}.worker",
+    scheduler_class="vllm.v1.core.sched.scheduler.Scheduler",
     # methods of NixlConnectorWorker that our worker overrides
     worker_overrides=(
         "_build_mamba_remote",
@@ -162,6 +250,10 @@ V021 = Contract(
 
 V033 = Contract(
     release="0.33.0",
+    worker_class=f"{_NIXL}.pull_worker.NixlPullConnectorWorker",
+    connector_class=f"{_NIXL}.connector.NixlPullConnector",
+    listener_class=f"{_NIXL}.pull_scheduler.NixlPullConnectorScheduler",
+    worker_module_path=f"{_NIXL}.base_worker",
     # methods of NixlPullConnectorWorker (and its base) that our worker overrides
     worker_overrides=(
         "_apply_prefix_caching",
@@ -178,7 +270,8 @@ V033 = Contract(
         "start_load_kv",
     ),
     worker_calls=("_handle_failed_transfer", "_log_failure", "_pack_strided_descs"),
-    worker_module=(),
+    # the progress thread's delay builds upstream's agent through it
+    worker_module=("NixlWrapper",),
     worker_state=(
         "_conv_decomp",
         "_engine_clock_offset",  # the lease: prefill's clock mapped to decode's
@@ -221,6 +314,25 @@ V033 = Contract(
     scheduler_state=(),
 )
 
+#: vLLM 0.34: the 0.33 glue's names, plus what the 0.34 glue overrides or reads
+#: in addition (``v034.worker``'s ledger)
+V034 = dataclasses.replace(
+    V033,
+    release="0.34.0",
+    worker_overrides=tuple(sorted(V033.worker_overrides + ("_pair_blocks_by_last_token",))),
+    worker_state=tuple(sorted(V033.worker_state + ("_dst_pairs",))),
+)
+
+#: glue name -> its contract
+CONTRACTS: dict[str, Contract] = {"v021": V021, "v033": V033, "v034": V034}
+
+
+def installed() -> Contract:
+    """The contract of the installed vLLM's glue (``_compat.adapter``)."""
+    from vllm_nixl_hma import _compat
+
+    return CONTRACTS[_compat.adapter()]
+
 
 def require(
     owner: object,
@@ -244,6 +356,24 @@ def require(
         from vllm_nixl_hma._compat import installed_vllm_version
 
         raise UpstreamDriftError(release, owner_name, missing, installed_vllm_version())
+
+
+def require_signatures(
+    owner: object, expected: Mapping[str, str], *, owner_name: str, release: str
+) -> None:
+    """Raise ``UpstreamDriftError`` naming each method of ``owner`` whose
+    parameters (``signatures.of_function``) are not ``expected[name]``: an
+    override written for the old ones would raise ``TypeError`` when
+    upstream calls it, or a call of ours would pass the wrong arguments."""
+    changed = []
+    for name, wanted in expected.items():
+        found = signatures.of_function(getattr(owner, name))
+        if found != wanted:
+            changed.append((name, wanted, found))
+    if changed:
+        from vllm_nixl_hma._compat import installed_vllm_version
+
+        raise UpstreamDriftError(release, owner_name, [], installed_vllm_version(), changed=changed)
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def substitute_for_cpu(attention_backend: type) -> None:
     """Make the NIXL worker module runnable on CPU (idempotent)."""
     from vllm_nixl_hma import _compat
 
-    if _compat.adapter() == "v033":
+    if _compat.builds_on("v033"):
         _substitute_v033(attention_backend)
         return
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as nixl_worker

@@ -275,7 +275,7 @@ def for_installed_vllm(fault: Fault) -> Fault:
     default) or until NIXL drops its metadata: upstream's rule, not redone."""
     from vllm_nixl_hma import _compat
 
-    if _compat.adapter() != "v033":
+    if not _compat.builds_on("v033"):
         return fault
     if fault.name == "stock-prefill":
         return replace(

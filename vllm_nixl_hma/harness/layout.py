@@ -533,7 +533,7 @@ def build_engine_layout(vllm_config: VllmConfig, tp_rank: int) -> EngineLayout:
 
     from vllm_nixl_hma import _compat
 
-    if _compat.adapter() == "v033":
+    if _compat.builds_on("v033"):
         from vllm_nixl_hma.harness import layout_v033
 
         return layout_v033.build_engine_layout(vllm_config, tp_rank)

@@ -159,4 +159,4 @@ def installed_layouts() -> dict[str, dict[str, Any]]:
     """The embedded layouts for the installed vLLM (``_compat.adapter``)."""
     from vllm_nixl_hma import _compat
 
-    return LAYOUTS_V033 if _compat.adapter() == "v033" else LAYOUTS
+    return LAYOUTS_V033 if _compat.builds_on("v033") else LAYOUTS

@@ -641,7 +641,7 @@ def rank_main(connection) -> None:
     from vllm_nixl_hma import _compat, plugin
 
     global V033
-    V033 = _compat.adapter() == "v033"
+    V033 = _compat.builds_on("v033")
 
     plugin.register()
     connection.send(("ready", None))

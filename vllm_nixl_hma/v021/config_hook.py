@@ -92,7 +92,7 @@ def apply(vllm_config: VllmConfig) -> None:
         return
     from vllm_nixl_hma import _compat
 
-    if _compat.adapter() == "v033":
+    if _compat.builds_on("v033"):
         return
     if vllm_config.scheduler_config.scheduler_cls is None:
         from vllm_nixl_hma.v021.scheduler import FACTORY_PATH

@@ -30,10 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NixlHMAConnectorScheduler"]
 
-RELEASE = "0.21.0"
 WIRE = listener.wire_v021(GET_META_MSG)
-#: upstream methods this scheduler overrides
-OVERRIDES = ("_nixl_handshake_listener", "build_connector_meta", "set_xfer_handshake_metadata")
 LISTENER_PARAMETERS = ("encoded_data", "ready_event", "stop_event", "port")
 
 
@@ -42,18 +39,23 @@ class NixlHMAConnectorScheduler(NixlConnectorScheduler):
     queries, and which stops the engine when that listener gives up."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        contract = upstream_contract.V021
         upstream_contract.require(
-            NixlConnectorScheduler, OVERRIDES, owner_name="NixlConnectorScheduler", release=RELEASE
+            NixlConnectorScheduler,
+            contract.listener_overrides,
+            owner_name="NixlConnectorScheduler",
+            release=contract.release,
         )
+        contract.require_signatures(NixlConnectorScheduler, "listener", contract.listener_overrides)
         listener.require_upstream_listener(
             NixlConnectorScheduler,
             LISTENER_PARAMETERS,
             owner_name="NixlConnectorScheduler",
-            release=RELEASE,
+            release=contract.release,
         )
         super().__init__(*args, **kwargs)
-        upstream_contract.V021.require_state(
-            self, ("_stop_event",), NixlConnectorScheduler, "its constructor"
+        contract.require_state(
+            self, contract.listener_state, NixlConnectorScheduler, "its constructor"
         )
 
     @staticmethod

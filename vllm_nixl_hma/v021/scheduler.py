@@ -65,6 +65,7 @@ class HybridInvalidBlocksMixin:
             owner_name="Scheduler",
             release=contract.release,
         )
+        contract.require_signatures(Scheduler, "scheduler", contract.scheduler_overrides)
         super().__init__(*args, **kwargs)
         contract.require_state(self, contract.scheduler_state, Scheduler, "its constructor")
         for manager in self.kv_cache_manager.coordinator.single_type_managers:

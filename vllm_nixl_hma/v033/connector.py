@@ -81,7 +81,7 @@ class NixlHMAConnector(NixlPullConnector):
         the worker as ``worker_cls``. Remove when: upstream takes the worker
         class as a parameter.
         """
-        upstream_contract.V033.require_connector_class(NixlPullConnector, KVConnectorBase_V1)
+        upstream_contract.installed().require_connector_class(NixlPullConnector, KVConnectorBase_V1)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         self._external_tokens = {}
         if role == KVConnectorRole.SCHEDULER:

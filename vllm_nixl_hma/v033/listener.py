@@ -29,10 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NixlHMAConnectorScheduler"]
 
-RELEASE = "0.33.0"
 WIRE = listener.wire_v033(GET_META_MSG)
-#: upstream methods this scheduler overrides
-OVERRIDES = ("_nixl_handshake_listener", "build_connector_meta", "set_xfer_handshake_metadata")
 LISTENER_PARAMETERS = ("encoded_data", "ready_event", "stop_event", "host", "port")
 
 
@@ -41,21 +38,25 @@ class NixlHMAConnectorScheduler(NixlPullConnectorScheduler):
     queries, and which stops the engine when that listener gives up."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        contract = upstream_contract.installed()
         upstream_contract.require(
             NixlPullConnectorScheduler,
-            OVERRIDES,
+            contract.listener_overrides,
             owner_name="NixlPullConnectorScheduler",
-            release=RELEASE,
+            release=contract.release,
+        )
+        contract.require_signatures(
+            NixlPullConnectorScheduler, "listener", contract.listener_overrides
         )
         listener.require_upstream_listener(
             NixlPullConnectorScheduler,
             LISTENER_PARAMETERS,
             owner_name="NixlPullConnectorScheduler",
-            release=RELEASE,
+            release=contract.release,
         )
         super().__init__(*args, **kwargs)
-        upstream_contract.V033.require_state(
-            self, ("_stop_event",), NixlPullConnectorScheduler, "its constructor"
+        contract.require_state(
+            self, contract.listener_state, NixlPullConnectorScheduler, "its constructor"
         )
 
     @staticmethod

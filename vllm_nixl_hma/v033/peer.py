@@ -7,6 +7,7 @@ method departs from upstream).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -113,6 +114,18 @@ class PeerChecks(RemoteRankBeingAdded):
         handshake threads read them). Remove when: upstream pairs decode-side
         hits by position.
         """
+        return super()._validate_remote_agent_handshake(
+            self._metadata_for_upstream_checks(nixl_agent_meta, remote_dcp_size),
+            remote_tp_size,
+            remote_dcp_size,
+        )
+
+    def _metadata_for_upstream_checks(
+        self, nixl_agent_meta: NixlAgentMetadata, remote_dcp_size: int
+    ) -> NixlAgentMetadata:
+        """Prefill's metadata, or a copy with decode's kernel-per-logical ratio
+        when pairing by position with DCP 1 on both sides (see
+        ``_validate_remote_agent_handshake``)."""
         local_ratio = self._physical_blocks_per_logical_kv_block
         if (
             self._pairs_by_position
@@ -120,12 +133,10 @@ class PeerChecks(RemoteRankBeingAdded):
             and self.dcp_size == 1
             and remote_dcp_size == 1
         ):
-            nixl_agent_meta = dataclasses.replace(
+            return dataclasses.replace(
                 nixl_agent_meta, physical_blocks_per_logical_kv_block=local_ratio
             )
-        return super()._validate_remote_agent_handshake(
-            nixl_agent_meta, remote_tp_size, remote_dcp_size
-        )
+        return nixl_agent_meta
 
     def _refuse_before_loading(
         self, nixl_agent_meta: NixlAgentMetadata, remote_tp_rank: int, remote_tp_size: int
@@ -186,9 +197,23 @@ class PeerChecks(RemoteRankBeingAdded):
         """
         if self._split is None:
             return super()._build_mamba_remote(nixl_agent_meta, tp_ratio, transfer_info)
+        return self._state_reads(
+            nixl_agent_meta,
+            transfer_info,
+            self._ssm_region_indices or range(len(nixl_agent_meta.kv_caches_base_addr)),
+        )
+
+    def _state_reads(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        transfer_info: EngineTransferInfo,
+        remote_regions: Sequence[int],
+    ) -> np.ndarray:
+        """The strided descriptors of our reads of the prefill rank being
+        added: its Mamba state in ``remote_regions`` (indices into
+        ``nixl_agent_meta``'s region lists), per ``mamba_conv``'s plans."""
         if self._ple_region_index is not None:
             raise UnsupportedModelError("per-layer embedding pages beside Mamba state")
-        region_indices = self._ssm_region_indices or range(len(nixl_agent_meta.kv_caches_base_addr))
         return self._pack_strided_descs(
             remote_state_reads(
                 self._split,
@@ -204,7 +229,7 @@ class PeerChecks(RemoteRankBeingAdded):
                         nixl_agent_meta.kv_caches_base_addr[region],
                         nixl_agent_meta.block_strides[region],
                     )
-                    for region in region_indices
+                    for region in remote_regions
                 ],
             ).strided(nixl_agent_meta.device_id)
         )

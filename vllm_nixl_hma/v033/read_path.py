@@ -35,6 +35,10 @@ class ReadPath:
     _span_being_read: positions.TokenSpan | None = None
     #: the kernel block tokens of the prefill engine ``_read_blocks`` reads from
     _prefill_kernel_tokens_being_read: int = 0
+    #: the request ``_read_blocks_for_req`` is pairing lists for, and the prefill
+    #: engine ``_read_blocks`` reads from (the 0.34 glue's pairing reads them)
+    _request_being_paired: str | None = None
+    _engine_being_read: str | None = None
 
     @functools.cached_property
     def _group_windows(self) -> tuple[int, ...]:
@@ -139,6 +143,43 @@ class ReadPath:
             remote_physical_per_logical=prefill_physical_per_logical,
         )
 
+    def _read_blocks_for_req(self, req_id: str, meta) -> None:
+        """vLLM 0.33.0 and 0.34.0 ``_read_blocks_for_req``, failing closed.
+
+        Why: upstream works out which blocks of each prefill rank to read
+        before it posts any read, outside any ``try``, and raises when it
+        cannot: 0.34.0 pairs lists from their last token with
+        ``zip(strict=True)`` and raises ``NotImplementedError`` for region
+        layouts it does not serve; our checks of prefill's lists raise
+        ``BlockAlignmentError`` there too. Such an error leaves
+        ``start_load_kv`` and takes the engine down with every request in
+        it. What changes: it fails this request alone, as ``_read_blocks``
+        does (reported in ``failed_recving``; vLLM fails or recomputes it).
+        Remove when: upstream fails the request.
+        """
+        self._request_being_paired = req_id
+        try:
+            super()._read_blocks_for_req(req_id, meta)
+        except (BlockAlignmentError, AssertionError, NotImplementedError, ValueError) as e:
+            self._fail_unpairable(req_id, meta.remote.engine_id, None, e)
+        finally:
+            self._request_being_paired = None
+
+    def _fail_unpairable(
+        self, request_id: str, engine_id: str, remote_rank: int | None, error: Exception
+    ) -> None:
+        """Fail a request whose lists cannot be paired, before reading for it."""
+        self._log_failure(
+            failure_type="unpairable_block_lists",
+            req_id=request_id,
+            msg="block lists of decode and prefill cannot be paired; nothing read",
+            error=error,
+            dst_engine_id=engine_id,
+            remote_rank=remote_rank,
+        )
+        self._note_not_read(request_id, Reason.UNPAIRABLE, error)
+        self._handle_failed_transfer(request_id, None, self._recv_failures)
+
     def _read_blocks(
         self,
         read_spec: ReadSpec,
@@ -166,6 +207,7 @@ class ReadPath:
         """
         self._note_read(read_spec, dst_engine_id, request_id)
         self._span_being_read = span = self._token_spans.get(request_id)
+        self._engine_being_read = dst_engine_id
         try:
             if span is not None and self.transfer_topo is not None:
                 self._prefill_kernel_tokens_being_read = int(
@@ -183,16 +225,8 @@ class ReadPath:
                 awaiting_kvs,
             )
         except (BlockAlignmentError, AssertionError) as e:
-            self._log_failure(
-                failure_type="unpairable_block_lists",
-                req_id=request_id,
-                msg="block lists of decode and prefill cannot be paired; nothing read",
-                error=e,
-                dst_engine_id=dst_engine_id,
-                remote_rank=read_spec.remote_rank,
-            )
-            self._note_not_read(request_id, Reason.UNPAIRABLE, e)
-            self._handle_failed_transfer(request_id, None, self._recv_failures)
+            self._fail_unpairable(request_id, dst_engine_id, read_spec.remote_rank, e)
             return False
         finally:
             self._span_being_read = None
+            self._engine_being_read = None

@@ -149,7 +149,7 @@ class NixlHMAConnectorWorker(
         ``progress_thread_delay_us``; with a good one, upstream's constructor
         builds its NIXL agent with that delay (``_init_with_progress_delay``).
         """
-        contract = upstream_contract.V033
+        contract = upstream_contract.installed()  # 0.33.0, or 0.34.0 under the v034 glue
         nixl_note = _compat.untested_nixl()
         if nixl_note:
             logger.warning_once("NixlHMAConnector: %s", nixl_note)
@@ -210,11 +210,12 @@ class NixlHMAConnectorWorker(
         the agent inside ``progress_thread.agents_built_with_delay``."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
+        contract = upstream_contract.installed()
         upstream_contract.require(
             base_worker,
-            ("NixlWrapper",),
+            contract.worker_module,
             owner_name=base_worker.__name__,
-            release=upstream_contract.V033.release,
+            release=contract.release,
         )
         upstream_agent_cls = base_worker.NixlWrapper
 

@@ -22,7 +22,7 @@ from vllm_nixl_hma import _compat
 
 
 def _swaps() -> tuple:
-    if _compat.adapter() == "v033":
+    if _compat.builds_on("v033"):
         import vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker as pull_worker
 
         from vllm_nixl_hma.v033.connector import NixlHMAConnector

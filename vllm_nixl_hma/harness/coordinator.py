@@ -703,6 +703,9 @@ def _run_scenario(
                 "remote_host": cell.prefill_host,
                 "remote_port": free_port() if scenario.dead_side_channel else side_channel_port,
                 "tp_size": cell.p_tp,
+                # what prefill's request_finished reports it holds (vLLM 0.33 and
+                # 0.34 read it; 0.34 pairs unequal block sizes by it)
+                "remote_num_tokens": n,
                 # as NixlHMAConnector.request_finished_all_groups adds on prefill
                 lease.PARAM: lease_deadline,
                 "remote_blocks_expiry_time": lease_expiry_perf,

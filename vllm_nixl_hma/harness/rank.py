@@ -132,12 +132,12 @@ class RankEngine:
 
     def _worker_class(self):
         if self.spec.connector == "NixlHMAConnector":
-            if V033:
-                from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
-            else:
-                from vllm_nixl_hma.v021.worker import NixlHMAConnectorWorker
+            import importlib
 
-            return NixlHMAConnectorWorker
+            from vllm_nixl_hma import _compat
+
+            glue = importlib.import_module(_compat.glue_module(_compat.adapter(), "worker"))
+            return glue.NixlHMAConnectorWorker
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
             NixlConnectorWorker,
         )

@@ -291,9 +291,9 @@ class NixlHMAConnectorWorker(
         ``UCX_NET_DEVICES`` (``addresses.check_at_start``).
         """
         contract = upstream_contract.V021
-        nixl_note = _compat.untested_nixl()
-        if nixl_note:
-            logger.warning_once("NixlHMAConnector: %s", nixl_note)
+        for note in (_compat.untested_nixl(), _compat.untested_patch()):
+            if note:
+                logger.warning_once("NixlHMAConnector: %s", note)
         contract.require_worker_class(NixlConnectorWorker)
         upstream_contract.require(
             upstream_worker_module,

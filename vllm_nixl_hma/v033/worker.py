@@ -150,9 +150,9 @@ class NixlHMAConnectorWorker(
         builds its NIXL agent with that delay (``_init_with_progress_delay``).
         """
         contract = upstream_contract.installed()  # 0.33.0, or 0.34.0 under the v034 glue
-        nixl_note = _compat.untested_nixl()
-        if nixl_note:
-            logger.warning_once("NixlHMAConnector: %s", nixl_note)
+        for note in (_compat.untested_nixl(), _compat.untested_patch()):
+            if note:
+                logger.warning_once("NixlHMAConnector: %s", note)
         contract.require_worker_class(NixlPullConnectorWorker)
         addresses.check_at_start()  # UCX_NET_DEVICES names devices this host has
         extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)

@@ -242,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     e2e.add_argument("--json", action="store_true", help="one JSON object on stdout")
     e2e.add_argument("-v", "--verbose", action="store_true", help="show the engines' logs live")
+    drift = subcommands.add_parser(
+        "drift",
+        add_help=False,
+        help="what a vLLM release (wheel, directory or version) changed of what our glue "
+        "relies on: the work list of a port (vllm-nixl-hma drift --help)",
+    )
+    drift.add_argument("drift_args", nargs=argparse.REMAINDER)
     from vllm_nixl_hma import proxy as proxy_limits  # standard library only
 
     proxy = subcommands.add_parser(
@@ -687,6 +694,11 @@ def _run_e2e(args: argparse.Namespace, result_stream) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["drift"]:  # its own parser, --help included
+        from vllm_nixl_hma import drift
+
+        return drift.main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

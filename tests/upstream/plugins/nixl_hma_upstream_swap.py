@@ -9,7 +9,7 @@ the name "NixlConnector"), ``NixlConnectorWorker``, ``Scheduler`` and
 the plugin has no scheduler: both names of each, wherever the suite imports
 them from (the factory builds "NixlConnector" and "NixlPullConnector" from
 the package). Test-local subclasses (the suite's fake workers) then subclass
-ours, as a user's would.
+ours, as a user's would. vLLM 0.34 as 0.33, with the 0.34 glue's classes.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ from vllm_nixl_hma import _compat
 
 def _swaps() -> tuple:
     if _compat.builds_on("v033"):
+        import importlib
+
         import vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker as pull_worker
 
-        from vllm_nixl_hma.v033.connector import NixlHMAConnector
-        from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+        # the installed release's glue: v033, or v034 (built on it)
+        glue = importlib.import_module(_compat.glue_module(_compat.adapter(), "connector"))
+        NixlHMAConnector = glue.NixlHMAConnector
+        NixlHMAConnectorWorker = glue.NixlHMAConnectorWorker
 
         return (
             *(

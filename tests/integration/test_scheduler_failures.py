@@ -75,13 +75,18 @@ def remote_prefill_request(request_id: str = "req-1", params: dict | None = None
 def report(scheduler, output, **kv_connector_output) -> None:
     """What an engine core step with no forward pass hands the scheduler."""
     scheduler.update_from_output(
-        output,
-        ModelRunnerOutput(
-            req_ids=[],
-            req_id_to_index={},
-            kv_connector_output=KVConnectorOutput(**kv_connector_output),
-        ),
+        output, runner_output([], kv_connector_output=KVConnectorOutput(**kv_connector_output))
     )
+
+
+def runner_output(req_ids: list[str], **fields) -> ModelRunnerOutput:
+    """A ``ModelRunnerOutput`` of ``req_ids``, on each release (vLLM 0.34
+    dropped ``req_id_to_index``: the index is the position in ``req_ids``)."""
+    import dataclasses
+
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
 
 
 REMOTE_PREFILL_PARAMS = {

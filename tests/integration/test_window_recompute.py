@@ -20,7 +20,6 @@ from __future__ import annotations
 import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from tests.integration.test_decode_hit_scheduler import block_hasher
@@ -28,6 +27,7 @@ from tests.integration.test_scheduler_failures import (
     build_scheduler,
     remote_prefill_request,
     report,
+    runner_output,
 )
 from vllm_nixl_hma import _compat
 from vllm_nixl_hma.core.positions import NULL_BLOCK_ID
@@ -196,12 +196,7 @@ def test_a_decode_side_hit_is_found_again_and_holds_the_window(tmp_path):
     output = scheduler.schedule()
     report(scheduler, output, finished_recving={"turn-1"})  # vLLM caches what arrived
     output = scheduler.schedule()  # its last prompt token: one token sampled, then aborted
-    scheduler.update_from_output(
-        output,
-        ModelRunnerOutput(
-            req_ids=["turn-1"], req_id_to_index={"turn-1": 0}, sampled_token_ids=[[7]]
-        ),
-    )
+    scheduler.update_from_output(output, runner_output(["turn-1"], sampled_token_ids=[[7]]))
     scheduler.finish_requests("turn-1", RequestStatus.FINISHED_ABORTED)  # its blocks stay cached
     second_tokens = 19 * block_tokens - 4  # 9 blocks past the hit: its window, and more
     second = hashed_request(

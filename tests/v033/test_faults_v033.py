@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 
 from tests.v033.cells import model_dirs, run_by_key
+from vllm_nixl_hma import _compat
 from vllm_nixl_hma.harness import coordinator
 
 pytestmark = [pytest.mark.vllm033, pytest.mark.slow]
@@ -101,8 +102,18 @@ def test_ours_fails_the_unpairable_request_alone(results, layout):
 
 
 @pytest.mark.parametrize("layout", [layout for layout, _, _ in UNPAIRABLE])
-def test_stock_033_lets_the_pairing_assert_escape(results, layout):
+def test_stock_lets_the_pairing_assert_escape_or_reads_the_cut_list(results, layout):
+    """Stock 0.33.0's pairing asserts escape ``start_load_kv``. vLLM 0.34.0
+    pairs unequal ratios (the hybrid at 2 -> 1) from the last token instead,
+    which takes a list cut short from its end: the cut request is reported
+    delivered, its KV read from blocks of other tokens."""
     faulty, _ = results[("NixlConnector", "unpairable", layout)]
+    if _compat.adapter() == "v034" and layout == "hybrid":
+        assert faulty.error is None or "mismatched" in faulty.error, faulty.error
+        assert faulty.requests_failed == 0
+        assert faulty.silently_wrong_slots > 0
+        assert all(line.startswith("req 0 ") for line in faulty.examples)
+        return
     assert faulty.error is not None and faulty.error.startswith("AssertionError")
     assert faulty.slots_checked == 0  # the load command itself raised
 

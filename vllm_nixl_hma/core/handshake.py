@@ -353,6 +353,10 @@ class Pairing:
     #: decode pairs by token position (``positions``; the Mamba prefix-caching
     #: opt-in): prefix caching on either side then pairs at any ratio
     pairs_by_position: bool = False
+    #: vLLM pairs the lists from the prompt's last token (0.34.0's
+    #: ``_pair_blocks_by_last_token``, for models without Mamba state): unequal
+    #: ratios pair with prefix-cache hits and sliding windows alike
+    pairs_by_last_token: bool = False
 
 
 def refuse_mismatches(checks: Iterable[FieldCheck], pairing: Pairing | None = None) -> None:
@@ -382,6 +386,8 @@ def refuse_mismatches(checks: Iterable[FieldCheck], pairing: Pairing | None = No
             f"remote={pairing.remote_ratio}) and kernel blocks cannot be aligned after a "
             "prefix-cache hit; restart both engines with --no-enable-prefix-caching",
         )
+    if pairing.pairs_by_last_token:
+        return
     check_alignable(
         pairing.group_kinds,
         pairing.local_ratio,
@@ -568,10 +574,12 @@ def refuse_before_loading(
     local_prefix_caching: bool,
     layout_conversion: bool = False,
     pairs_by_position: bool = False,
+    pairs_by_last_token: bool = False,
 ) -> None:
-    """vLLM 0.33 decode's check of a prefill rank before its agent is loaded
-    (``agent_fact_checks``, then the pairing of the two ratios under decode's
-    prefix caching; prefill's is not in vLLM's metadata)."""
+    """vLLM 0.33 and 0.34 decode's check of a prefill rank before its agent is
+    loaded (``agent_fact_checks``, then the pairing of the two ratios under
+    decode's prefix caching, unless ``pairs_by_last_token``; prefill's is not
+    in vLLM's metadata)."""
     refuse_mismatches(
         agent_fact_checks(local, remote, layout_conversion=layout_conversion),
         Pairing(
@@ -580,5 +588,6 @@ def refuse_before_loading(
             remote.physical_per_logical,
             local_prefix_caching=local_prefix_caching,
             pairs_by_position=pairs_by_position,
+            pairs_by_last_token=pairs_by_last_token,
         ),
     )

@@ -320,7 +320,6 @@ V034 = dataclasses.replace(
     V033,
     release="0.34.0",
     worker_overrides=tuple(sorted(V033.worker_overrides + ("_pair_blocks_by_last_token",))),
-    worker_state=tuple(sorted(V033.worker_state + ("_dst_pairs",))),
 )
 
 #: glue name -> its contract

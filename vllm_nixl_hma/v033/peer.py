@@ -40,6 +40,9 @@ class PeerChecks(RemoteRankBeingAdded):
 
     #: this rank's state split (``worker.__init__``); None: upstream's offsets
     _split: StateSplit | None = None
+    #: upstream pairs unequal ratios from the last token for this model, so
+    #: the handshake does not refuse them (the 0.34 glue, without Mamba state)
+    _upstream_pairs_by_last_token: bool = False
 
     def _nixl_handshake(self, host: str, port: int, *args, **kwargs):
         """vLLM 0.33.0 ``_nixl_handshake``, after a check of the host it dials.
@@ -175,6 +178,7 @@ class PeerChecks(RemoteRankBeingAdded):
             local_prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
             layout_conversion=layout_conversion,
             pairs_by_position=self._pairs_by_position,
+            pairs_by_last_token=self._upstream_pairs_by_last_token,
         )
 
     def _build_mamba_remote(

@@ -34,7 +34,12 @@ named below). The work list came from ``vllm-nixl-hma drift`` on vLLM
 Dropped for 0.34 (0.34.0 does it): the leading-block pairing of models
 without Mamba state across unequal ratios (``blocks.align_kernel_id_lists``
 in the 0.33 glue's ``_apply_prefix_caching``; upstream's last-token rule
-pairs those lists right), and position pairing across unequal ratios.
+pairs those lists right), with the handshake's refusal of such models'
+sliding windows and prefix caching across unequal ratios (the rule pairs
+them too; ``_upstream_pairs_by_last_token``), and position pairing across
+unequal ratios (Mamba hybrids keep the refusal of sliding-window groups and
+of ``mamba_prefix_caching: false`` there: upstream still refuses the latter
+after loading).
 """
 
 from __future__ import annotations
@@ -68,6 +73,15 @@ __all__ = ["NixlHMAConnectorWorker"]
 class NixlHMAConnectorWorker(worker033.NixlHMAConnectorWorker):
     """vLLM 0.34's ``NixlPullConnectorWorker`` with our departures (this
     module's ledger, and the 0.33 glue's)."""
+
+    @property
+    def _upstream_pairs_by_last_token(self) -> bool:
+        """For a model without Mamba state, 0.34.0 pairs unequal ratios from
+        the prompt's last token, with sliding windows and prefix-cache hits
+        alike; the 0.33 glue's handshake refusal of those (its leading-block
+        rule could not) would take away what upstream serves right
+        (``tests/v033/test_block_sizes_v033.py``)."""
+        return not self._has_mamba
 
     def _validate_remote_agent_handshake(
         self,

@@ -64,6 +64,26 @@ DEPARTURES = (
 )
 
 
+DEPARTURES += tuple(
+    Departure(
+        release="0.34.0",
+        node_id=(
+            "tests/v1/kv_connector/unit/test_nixl_connector_hma.py::"
+            f"test_dcp_pull_reads_replicated_draft_group_from_one_rank[True-{rank}]"
+        ),
+        reason=(
+            "expects the pairing assert 'decode needs 3 blocks' to escape "
+            "_read_blocks_for_req (in an engine: out of start_load_kv, taking the engine "
+            "and every request in it down). Ours fails that request alone "
+            "(ReadPath._read_blocks_for_req), which reaches for the test's fake worker's "
+            "missing _recving_metadata."
+        ),
+        fixed_in=None,
+    )
+    for rank in (0, 3)
+)
+
+
 def departures_for(release: str) -> dict[str, Departure]:
     return {d.node_id: d for d in DEPARTURES if d.release == release}
 

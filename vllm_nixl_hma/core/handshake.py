@@ -548,7 +548,8 @@ def agent_fact_checks(
             "kv_cache_layout",
             local.kv_cache_layout,
             local.kv_cache_layout if layout_conversion else remote.kv_cache_layout,
-            "set the same VLLM_KV_CACHE_LAYOUT on both engines (NIXL asks for LBHNC)",
+            "serve both engines with the same kv_cache_layout (VLLM_KV_CACHE_LAYOUT; "
+            "NIXL asks for LBHNC)",
         ),
         FieldCheck(
             "kv_caches_base_addr (registered KV regions)",

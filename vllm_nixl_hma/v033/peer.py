@@ -141,6 +141,10 @@ class PeerChecks(RemoteRankBeingAdded):
             )
         return nixl_agent_meta
 
+    def _remote_region_count(self, nixl_agent_meta: NixlAgentMetadata) -> int:
+        """The regions of prefill's metadata, as decode's are counted."""
+        return len(nixl_agent_meta.kv_caches_base_addr)
+
     def _refuse_before_loading(
         self, nixl_agent_meta: NixlAgentMetadata, remote_tp_rank: int, remote_tp_size: int
     ) -> None:
@@ -154,7 +158,7 @@ class PeerChecks(RemoteRankBeingAdded):
             and local_layout == "LBNHC"
             and not self._is_hma_required
         )
-        remote_regions = len(nixl_agent_meta.kv_caches_base_addr)
+        remote_regions = self._remote_region_count(nixl_agent_meta)
         local_regions = len(self.block_len_per_layer) if self.pp_size == 1 else remote_regions
         expected_ssm_sizes = None
         remote_ssm_sizes = None

@@ -15,6 +15,10 @@ named below). The work list came from ``vllm-nixl-hma drift`` on vLLM
   remote's SSM regions from ``pairs.remote_ssm_regions``; ours reads the
   same regions, with our offsets (replicated SSM groups are still read
   from the wrong bytes upstream: vLLM #55208).
+* ``_remote_region_count`` (ours, read by the handshake checks before
+  loading): a prefill's packed row counts as its layers where 0.34.0
+  splits it into one region per layer (a BLNHC prefill read by an LBNHC
+  decode, which 0.34.0 serves).
 * ``_pair_blocks_by_last_token`` (new upstream): with unequal kernel block
   sizes or kernel-per-logical ratios, 0.34.0 pairs block lists itself,
   in ``_read_blocks_for_req``, from the last token of
@@ -82,6 +86,21 @@ class NixlHMAConnectorWorker(worker033.NixlHMAConnectorWorker):
         rule could not) would take away what upstream serves right
         (``tests/v033/test_block_sizes_v033.py``)."""
         return not self._has_mamba
+
+    def _remote_region_count(self, nixl_agent_meta: NixlAgentMetadata) -> int:
+        """Prefill's regions as 0.34.0 pairs them: a packed row (a
+        block-outermost layout, every layer's page in one region) counts as
+        its layers when this worker registers layers apart, since upstream
+        splits it so (``_expand_remote_packed_rows``) before pairing regions
+        by layer name. The 0.33 glue counted the row as one region and
+        refused a prefill on BLNHC read by a decode on LBNHC."""
+        members = nixl_agent_meta.region_members or []
+        if not nixl_agent_meta.packed_member_layouts or self._packed_member_layouts:
+            return len(nixl_agent_meta.kv_caches_base_addr)
+        return sum(
+            len(names) if any(n in nixl_agent_meta.packed_member_layouts for n in names) else 1
+            for names in members
+        )
 
     def _validate_remote_agent_handshake(
         self,

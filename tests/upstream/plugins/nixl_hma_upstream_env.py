@@ -2,7 +2,10 @@
 CPU host. Loaded in both runs, stock and ours, before vLLM's conftest.
 
 vLLM's ``dist_init`` fixture asks for NCCL, which a CPU build of torch lacks:
-``init_distributed_environment`` is wrapped to use gloo instead. The offline
+``init_distributed_environment`` is wrapped to use gloo instead. vLLM 0.34's
+CPU platform refuses, in ``check_and_update_config``, an x86 host without
+Triton for CPUs (its CPU model runner needs it; the suite runs no model):
+the check runs with ``HAS_TRITON`` true, and nothing else sees it. The offline
 model configs come through ``HF_HUB_CACHE`` (set by the runner). Each
 test's outcome goes to ``$NIXL_HMA_UPSTREAM_REPORT``.
 
@@ -35,6 +38,28 @@ def init_distributed_environment(*args, **kwargs):
 
 parallel_state.init_distributed_environment = init_distributed_environment
 vllm.distributed.init_distributed_environment = init_distributed_environment
+
+
+def _cpu_config_check_without_triton() -> None:
+    import vllm.platforms.cpu as cpu
+    import vllm.triton_utils as triton_utils
+
+    upstream_check = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        had, triton_utils.HAS_TRITON = triton_utils.HAS_TRITON, True
+        try:
+            return upstream_check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = had
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+from vllm_nixl_hma import _compat  # noqa: E402
+
+if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" and _compat.builds_on("v034"):
+    _cpu_config_check_without_triton()
 
 
 # Each test's outcome, by node id, for the runner (tests/upstream): JSON at

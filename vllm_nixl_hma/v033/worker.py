@@ -48,6 +48,10 @@ ticket); this module keeps the constructor:
 * ``_read_blocks``: block lists that cannot be paired fail that one request
   (reported in ``failed_recving``) instead of raising out of
   ``start_load_kv``: upstream's pairing asserts run before its ``try``.
+* ``_read_blocks_for_req``: the same for what upstream raises while it
+  works out which blocks to read, before any read is posted (its
+  ``NotImplementedError``s and asserts; on 0.34 its last-token pairing and
+  our checks before it).
 * ``_pop_done_transfers``: a read still in flight at the lease margin or
   ``read_timeout_s`` after it was posted fails as a failed transfer does;
   upstream waits for ever (heartbeats keep extending prefill's lease).

@@ -94,12 +94,12 @@ class NixlHMAConnectorWorker(worker033.NixlHMAConnectorWorker):
         splits it so (``_expand_remote_packed_rows``) before pairing regions
         by layer name. The 0.33 glue counted the row as one region and
         refused a prefill on BLNHC read by a decode on LBNHC."""
-        members = nixl_agent_meta.region_members or []
-        if not nixl_agent_meta.packed_member_layouts or self._packed_member_layouts:
+        packed = nixl_agent_meta.packed_member_layouts
+        if not packed or self._packed_member_layouts:
             return len(nixl_agent_meta.kv_caches_base_addr)
         return sum(
-            len(names) if any(n in nixl_agent_meta.packed_member_layouts for n in names) else 1
-            for names in members
+            len(names) if any(name in packed for name in names) else 1
+            for names in nixl_agent_meta.region_members
         )
 
     def _validate_remote_agent_handshake(

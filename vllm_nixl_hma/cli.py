@@ -614,6 +614,16 @@ def render_e2e(report: dict) -> str:
             f"FAILED pair {p['prefill']} -> {p['decode']}: {p['routed']} prompt(s) routed, "
             "none matched"
         )
+    slowest = report.get("slowest_reads") or []
+    if slowest:
+        lines.append(
+            "slowest reads (NIXL transfer time, handles summed): "
+            + ", ".join(
+                f"{r['engine']} {float(r['transfer_s']):.3f} s ({r['bytes_read']} B, "
+                f"{r['outcome']}/{r['reason']})"
+                for r in slowest
+            )
+        )
     if report.get("error"):
         lines.append(f"FAILED: {report['error']}")
     passed = len(report["prompts"]) + len(report["faults"]) - len(failed) - len(failed_faults)

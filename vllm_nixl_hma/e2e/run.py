@@ -1094,7 +1094,20 @@ def _plugin_metrics(servers) -> dict[str, Any]:
         for name, counted in metrics.items()
         if name.startswith("decode")
     )
-    return {"metrics": metrics, "records": records, "records_match": match and decodes_read}
+    # each read's time, from every decode engine's log (one that died too): a
+    # stalled read and a slow link are told apart by these (#43)
+    reads = {
+        server.name: plugin_metrics.reads_from_log(server.log_path.read_text(errors="replace"))
+        for server in servers
+        if server.name.startswith("decode")
+    }
+    return {
+        "metrics": metrics,
+        "records": records,
+        "records_match": match and decodes_read,
+        "reads": reads,
+        "slowest_reads": plugin_metrics.slowest_reads(reads),
+    }
 
 
 #: the networks each network fault unplugs the prefill host from

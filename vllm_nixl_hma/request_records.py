@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from vllm.logger import init_logger
 
+from vllm_nixl_hma.core import slow_reads
 from vllm_nixl_hma.core.transfer_records import (
     DecodeRecord,
     Outcome,
@@ -70,7 +71,7 @@ class _Reads:
 
     __slots__ = (
         "engine_id", "posted_at_s", "posted", "post_s", "transfer_s", "bytes_read",
-        "descriptors", "transfers",
+        "descriptors", "transfers", "slow",
     )  # fmt: skip
 
     def __init__(self, engine_id: str) -> None:
@@ -86,6 +87,8 @@ class _Reads:
         self.bytes_read = 0
         self.descriptors = 0
         self.transfers = 0
+        #: found in flight past ``slow_read_s`` (counted and logged then, once)
+        self.slow = False
 
 
 class _FinishedRead(NamedTuple):
@@ -131,6 +134,7 @@ class _FinishedRead(NamedTuple):
             "posted_at_s": reads.posted_at_s,
             "post_s": reads.post_s if reads.transfers else None,
             "transfer_s": reads.transfer_s if reads.transfers else None,
+            "slow": reads.slow,
         }
 
     def to_json(self) -> str:
@@ -213,6 +217,48 @@ class RequestRecords:
             reads = self._reads_by_request[request_id] = _Reads(str(dst_engine_id))
         lengths = list(map(len, read_spec.local_block_ids or ()))  # per group
         reads.posted.append((read_spec.remote_rank, sum(lengths), len(lengths) - lengths.count(0)))
+
+    def _note_slow_reads(
+        self, transfers: dict[str, list[int]], in_flight_s_of: dict[str, float]
+    ) -> None:
+        """Each read of ``transfers`` (request id -> NIXL handles still in
+        flight) whose time in flight (``in_flight_s_of``) passed
+        ``slow_read_s``, the first time: counted in the connector stats,
+        marked in its record, and logged once with what the worker and NIXL
+        know of it (``core.slow_reads``). Both releases' ``_abandon_overdue_reads``
+        call this for the reads they keep."""
+        bound_s = self._slow_read_s
+        for request_id, in_flight_s in in_flight_s_of.items():
+            reads = self._reads_by_request.get(request_id)
+            if reads is None or reads.slow or not slow_reads.is_slow(in_flight_s, bound_s):
+                continue
+            reads.slow = True
+            stats = getattr(self, "xfer_stats", None)
+            if hasattr(stats, "record_slow_read"):
+                stats.record_slow_read()
+            states = []
+            for handle in transfers.get(request_id, ()):
+                try:
+                    states.append(str(self.nixl_wrapper.check_xfer_state(handle)))
+                except Exception as e:  # only words for the log: the step goes on
+                    states.append(f"unknown ({type(e).__name__})")
+            logger.warning(
+                slow_reads.describe(
+                    request_id,
+                    in_flight_s,
+                    bound_s,
+                    engine_id=reads.engine_id,
+                    remote_tp_ranks=sorted({int(rank) for rank, _, _ in reads.posted}),
+                    kernel_blocks=sum(blocks for _, blocks, _ in reads.posted),
+                    handle_states=states,
+                )
+            )
+
+    @functools.cached_property
+    def _slow_read_s(self) -> float | None:
+        """``slow_read_s`` of ``kv_connector_extra_config`` (checked at start)."""
+        config = getattr(self, "kv_transfer_config", None)
+        return slow_reads.configured_slow_read_s(getattr(config, "kv_connector_extra_config", None))
 
     @contextlib.contextmanager
     def _noting_handshake_failure(self, engine_id: object) -> Iterator[None]:

@@ -19,6 +19,9 @@ part of ``data`` is ``OutcomeCounts.as_data()``: lists that vLLM's own
 - ``vllm:nixl_hma_prefill_requests_total{freed_by}``: requests prefill served,
   freed when every expected reader notified (``notified``) or when its lease
   ran out (``lease``).
+- ``vllm:nixl_hma_decode_slow_reads_total``: reads each decode TP rank found
+  still in flight ``slow_read_s`` after they were posted (``core.slow_reads``),
+  counted while they are (#43).
 
 Label values come from closed sets (``transfer_records.REASONS``): no request
 or engine id ever becomes one. vLLM's labels (``model_name``, ``engine``)
@@ -42,6 +45,7 @@ from vllm_nixl_hma.core.transfer_records import (
     DATA_KEYS,
     DECODE_BYTES,
     DECODE_OUTCOMES,
+    DECODE_SLOW_READS,
     DECODE_TRANSFER_S,
     FREED_BY,
     PREFILL_FREED,
@@ -61,8 +65,15 @@ DECODE_REQUESTS = "vllm:nixl_hma_decode_requests"
 DECODE_REQUEST_BYTES = "vllm:nixl_hma_decode_request_bytes"
 DECODE_REQUEST_TRANSFER_S = "vllm:nixl_hma_decode_request_transfer_seconds"
 PREFILL_REQUESTS = "vllm:nixl_hma_prefill_requests"
+DECODE_SLOW_READS_METRIC = "vllm:nixl_hma_decode_slow_reads"
 #: as registered (prometheus_client adds ``_total`` to a counter's samples)
-METRIC_NAMES = (DECODE_REQUESTS, DECODE_REQUEST_BYTES, DECODE_REQUEST_TRANSFER_S, PREFILL_REQUESTS)
+METRIC_NAMES = (
+    DECODE_REQUESTS,
+    DECODE_REQUEST_BYTES,
+    DECODE_REQUEST_TRANSFER_S,
+    PREFILL_REQUESTS,
+    DECODE_SLOW_READS_METRIC,
+)
 
 #: 4 KiB .. 16 GiB, a factor 4 apart
 _BYTES_BUCKETS = [float(4**i * 1024) for i in range(1, 13)]
@@ -93,6 +104,7 @@ class NixlHMAKVConnectorStats(NixlKVConnectorStats):
             self.data[DECODE_BYTES],
             self.data[DECODE_TRANSFER_S],
             self.data[PREFILL_FREED],
+            self.data[DECODE_SLOW_READS],
         )
 
     def record_request(self, record: DecodeRecord) -> None:
@@ -105,6 +117,10 @@ class NixlHMAKVConnectorStats(NixlKVConnectorStats):
 
     def record_prefill_request(self, record: PrefillRecord) -> None:
         self._lists().add_prefill(record)
+
+    def record_slow_read(self) -> None:
+        """A read found in flight past ``slow_read_s`` (``core.slow_reads``)."""
+        self._lists().count_slow_read()
 
     def is_empty(self) -> bool:
         return super().is_empty() and not any(self.data.get(key) for key in DATA_KEYS)
@@ -183,6 +199,15 @@ class NixlHMAPromMetrics(NixlPromMetrics):
             engine: {freed_by: prefill.labels(*values, freed_by) for freed_by in FREED_BY}
             for engine, values in per_engine_labelvalues.items()
         }
+        self.decode_slow_reads = create_metric_per_engine(
+            self._counter_cls(
+                name=DECODE_SLOW_READS_METRIC,
+                documentation="KV reads per decode TP rank found still in flight "
+                "slow_read_s after they were posted (NixlHMAConnector).",
+                labelnames=labelnames,
+            ),
+            per_engine_labelvalues,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -200,3 +225,5 @@ class NixlHMAPromMetrics(NixlPromMetrics):
             self.decode_request_transfer_s[engine_idx].observe(value)
         for freed_by in counts.prefill_freed:
             self.prefill_requests[engine_idx][freed_by].inc()
+        if counts.slow_reads:
+            self.decode_slow_reads[engine_idx].inc(len(counts.slow_reads))

@@ -143,3 +143,40 @@ def test_a_fail_cell_whose_request_errored_is_judged_by_its_counters_too(monkeyp
     )
     judged = run._with_records("lease-expired", cells[1:], {"fail": wrong}, {"fail": before})
     assert judged[0].records_ok is False and judged[0].ok is False
+
+
+def test_each_reads_time_is_taken_off_the_log_and_the_slowest_found_over_engines():
+    """e2e's report carries each read's transfer time (#43), so a stalled
+    read (seconds) is told from a slow link in a run's report."""
+
+    def log(*records):
+        return "\n".join(
+            f"(Worker pid=1) INFO 12-07 [record_log.py:150] transfer record {r.to_json()}"
+            for r in records
+        )
+
+    decode = log(
+        DecodeRecord("a", Outcome.READ, bytes_read=4000, transfer_s=0.05),
+        DecodeRecord("b", Outcome.READ, bytes_read=8000, transfer_s=12.9),
+        DecodeRecord("c", Outcome.FAILED, Reason.TIMEOUT, slow=True),
+        PrefillRecord("p", freed_by="notified"),
+    )
+    other = log(DecodeRecord("d", Outcome.READ, bytes_read=100, transfer_s=0.7))
+    reads = {
+        "decode": plugin_metrics.reads_from_log(decode),
+        "decode-recompute": plugin_metrics.reads_from_log(other),
+    }
+    assert [r["request_id"] for r in reads["decode"]] == ["a", "b", "c"]
+    assert reads["decode"][2] == {
+        "request_id": "c",
+        "outcome": "failed",
+        "reason": "timeout",
+        "bytes_read": 0,
+        "transfer_s": None,
+        "slow": True,
+    }
+    slowest = plugin_metrics.slowest_reads(reads, count=2)
+    assert [(r["engine"], r["request_id"], r["transfer_s"]) for r in slowest] == [
+        ("decode", "b", 12.9),
+        ("decode-recompute", "d", 0.7),
+    ]

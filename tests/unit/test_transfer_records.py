@@ -9,6 +9,7 @@ import pytest
 from vllm_nixl_hma.core.transfer_records import (
     DECODE_BYTES,
     DECODE_OUTCOMES,
+    DECODE_SLOW_READS,
     DECODE_TRANSFER_S,
     PREFILL_FREED,
     REASON_ATTR,
@@ -61,6 +62,7 @@ def test_a_read_is_one_json_line_with_every_field_an_operator_asks_for():
         "posted_at_s": 1_800_000_000.25,
         "post_s": 0.0001,
         "transfer_s": 0.002,
+        "slow": False,
         "detail": None,
     }
 
@@ -163,6 +165,7 @@ def test_counts_travel_as_lists_that_vllms_list_extending_aggregate_sums():
     the merged counts."""
     a = OutcomeCounts.of([read("a"), DecodeRecord("b", Outcome.FAILED, Reason.TIMEOUT)])
     b = OutcomeCounts.of([read("c", 7, 0.5)])
+    b.count_slow_read()  # a read found slow travels the same way (#43)
     data = a.as_data()
     for key, values in b.as_data().items():
         assert isinstance(data[key], list)
@@ -172,6 +175,7 @@ def test_counts_travel_as_lists_that_vllms_list_extending_aggregate_sums():
 
 def test_counts_cross_a_process_boundary_and_malformed_ones_are_refused():
     counts = OutcomeCounts.of([read(), DecodeRecord("x", Outcome.FAILED, Reason.TRANSFER)])
+    counts.count_slow_read()
     data = json.loads(json.dumps(counts.as_data()))  # strings, numbers and lists only
     assert OutcomeCounts.from_data(data) == counts
     assert OutcomeCounts.from_data(None).is_empty()
@@ -184,6 +188,8 @@ def test_counts_cross_a_process_boundary_and_malformed_ones_are_refused():
         {DECODE_BYTES: [True]},
         {DECODE_TRANSFER_S: [float("inf")]},
         {PREFILL_FREED: ["gc"]},
+        {DECODE_SLOW_READS: [2]},
+        {DECODE_SLOW_READS: [True]},
     ):
         with pytest.raises(ValueError):
             OutcomeCounts.from_data(bad)
@@ -234,3 +240,15 @@ def test_nixls_own_errors_in_a_handshake_are_transfer_failures():
     )
     assert reason_of_handshake_error(bindings.nixlRemoteDisconnectError("x")) is Reason.TRANSFER
     assert reason_of_handshake_error(RuntimeError("NIXL_ERR_BACKEND")) is Reason.HANDSHAKE
+
+
+def test_a_slow_read_alone_is_something_to_report_and_its_record_says_so():
+    """A read found past ``slow_read_s`` is counted while still in flight:
+    an interval with nothing else must still be sent (#43)."""
+    counts = OutcomeCounts()
+    counts.count_slow_read()
+    assert not counts.is_empty()
+    assert json.loads(read().to_json())["slow"] is False
+    assert json.loads(DecodeRecord("s", Outcome.READ, slow=True).to_json())["slow"] is True
+    with pytest.raises(ValueError):
+        DecodeRecord("s", Outcome.READ, slow=1)

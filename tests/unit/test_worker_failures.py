@@ -216,3 +216,36 @@ def test_a_read_nixl_cannot_release_keeps_its_blocks_until_a_release_succeeds(mo
     assert transfers == {"req-1": [71]}
     assert worker._pop_done_transfers(transfers) == {"req-1"}
     assert transfers == {}
+
+
+def test_a_read_in_flight_past_slow_read_s_is_counted_and_logged_once_and_kept(mocker):
+    """#43: a read in flight longer than ``slow_read_s`` (but short of
+    ``read_timeout_s``) stays in flight, and is counted in the connector
+    stats, marked in its record and logged once, with NIXL's state of its
+    handles; a younger read is neither."""
+    import time
+    import types
+
+    from vllm_nixl_hma import request_records
+    from vllm_nixl_hma.core.transfer_records import DECODE_SLOW_READS
+    from vllm_nixl_hma.transfer_stats import NixlHMAKVConnectorStats
+
+    worker = worker_for(mocker, [FULL, MAMBA], True)
+    worker.__dict__.update(_read_timeout_s=30.0, _lease_margin_s=5.0, _slow_read_s=2.0)
+    worker.xfer_stats = NixlHMAKVConnectorStats()
+    warning = mocker.patch.object(request_records.logger, "warning")
+    for request_id, blocks in (("req-1", [[3, 4, 5], [11]]), ("req-2", [[6], [12]])):
+        worker._recving_metadata[request_id] = request_meta(blocks)
+        spec = types.SimpleNamespace(remote_rank=1, local_block_ids=blocks)
+        worker._note_read(spec, "prefill-engine", request_id)
+    worker.nixl_wrapper.check_xfer_state.return_value = "PROC"
+    transfers = {"req-1": [71], "req-2": [72]}
+    worker._reads_posted_at.update({"req-1": time.monotonic() - 3, "req-2": time.monotonic()})
+    for _ in range(3):  # three steps: found once
+        assert worker._pop_done_transfers(transfers) == set()
+    assert transfers == {"req-1": [71], "req-2": [72]}
+    assert worker.xfer_stats.data[DECODE_SLOW_READS] == [1]
+    assert worker._reads_by_request["req-1"].slow and not worker._reads_by_request["req-2"].slow
+    (message,) = [call.args[0] for call in warning.call_args_list]
+    assert "req-1" in message and "4 kernel blocks" in message and "PROC" in message
+    assert "prefill-engine" in message and "[1]" in message

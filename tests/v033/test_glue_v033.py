@@ -149,3 +149,41 @@ def test_a_read_in_flight_past_read_timeout_fails_and_a_younger_one_stays(mocker
     assert transfers == {"young": [72]}
     worker.nixl_wrapper.release_xfer_handle.assert_called_once_with(71)
     assert worker._failed_remote_engines == {"prefill"}
+
+
+def test_a_read_in_flight_past_slow_read_s_is_counted_logged_once_and_kept_on_033(mocker):
+    """#43 on 0.33's glue: a read past ``slow_read_s`` but short of
+    ``read_timeout_s`` stays in flight; it is counted once in the connector
+    stats and logged once with NIXL's state; a younger read is not."""
+    import time
+    import types
+
+    from vllm_nixl_hma import request_records
+    from vllm_nixl_hma.core.transfer_records import DECODE_SLOW_READS
+    from vllm_nixl_hma.transfer_stats import NixlHMAKVConnectorStats
+    from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+
+    worker = object.__new__(NixlHMAConnectorWorker)
+    worker.nixl_wrapper = mocker.Mock()
+    worker.nixl_wrapper.check_xfer_state.return_value = "PROC"
+    worker.xfer_stats = NixlHMAKVConnectorStats()
+    worker._failed_remote_engines = set()
+    worker._read_timeout_s = 30.0
+    worker._slow_read_s = 2.0
+    warning = mocker.patch.object(request_records.logger, "warning")
+    remote = types.SimpleNamespace(engine_id="prefill", request_id="p-1", blocks_expiry_time=None)
+    worker._recving_metadata = {
+        "old": types.SimpleNamespace(remote=remote),
+        "young": types.SimpleNamespace(remote=remote),
+    }
+    for request_id in ("old", "young"):
+        spec = types.SimpleNamespace(remote_rank=0, local_block_ids=[[1, 2]])
+        worker._note_read(spec, "prefill", request_id)
+    worker._reads_posted_at.update(old=time.perf_counter() - 3, young=time.perf_counter())
+    transfers = {"old": [71], "young": [72]}
+    for _ in range(3):
+        assert worker._pop_done_transfers(transfers) == (set(), set())
+    assert transfers == {"old": [71], "young": [72]}
+    assert worker.xfer_stats.data[DECODE_SLOW_READS] == [1]
+    (message,) = [call.args[0] for call in warning.call_args_list]
+    assert "old" in message and "2 kernel blocks" in message and "PROC" in message

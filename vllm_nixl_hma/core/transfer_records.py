@@ -27,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "DATA_KEYS",
+    "DECODE_SLOW_READS",
     "REASONS",
     "DecodeRecord",
     "Outcome",
@@ -133,11 +134,15 @@ class DecodeRecord:
     #: NIXL's post time and transfer time, summed over this rank's reads
     post_s: float | None = None
     transfer_s: float | None = None
+    #: still in flight ``slow_read_s`` after it was posted (``core.slow_reads``)
+    slow: bool = False
     #: the first line of the error, for a request that was not read
     detail: str | None = None
 
     def __post_init__(self) -> None:
         _check_outcome(self.outcome, self.reason)
+        if not isinstance(self.slow, bool):
+            raise ValueError(f"slow must be true or false, got {self.slow!r}")
         for name in ("local_tp_rank", "groups", "kernel_blocks", "descriptors", "bytes_read"):
             _check_count(name, getattr(self, name))
         for rank in self.remote_tp_ranks:
@@ -272,7 +277,9 @@ DECODE_OUTCOMES = "hma_decode_outcomes"
 DECODE_BYTES = "hma_decode_bytes"
 DECODE_TRANSFER_S = "hma_decode_transfer_s"
 PREFILL_FREED = "hma_prefill_freed"
-DATA_KEYS = (DECODE_OUTCOMES, DECODE_BYTES, DECODE_TRANSFER_S, PREFILL_FREED)
+#: one 1 per read found in flight past ``slow_read_s`` (counted when found)
+DECODE_SLOW_READS = "hma_decode_slow_reads"
+DATA_KEYS = (DECODE_OUTCOMES, DECODE_BYTES, DECODE_TRANSFER_S, PREFILL_FREED, DECODE_SLOW_READS)
 FREED_BY = ("notified", "lease")
 
 
@@ -281,13 +288,16 @@ class OutcomeCounts:
     """What the records of one interval add up to: one ``"outcome/reason"``
     per decode record, the bytes and transfer seconds of each request read,
     and how prefill freed each request it served (``"notified"`` or
-    ``"lease"``). Lists, not counts: vLLM's NIXL stats aggregate by
-    extending lists, and these travel inside them (``as_data``)."""
+    ``"lease"``), and a 1 for each read found slow (``slow_reads``, counted
+    when found, while the read is still in flight). Lists, not counts:
+    vLLM's NIXL stats aggregate by extending lists, and these travel inside
+    them (``as_data``)."""
 
     outcomes: list[str] = field(default_factory=list)
     bytes_read: list[int] = field(default_factory=list)
     transfer_s: list[float] = field(default_factory=list)
     prefill_freed: list[str] = field(default_factory=list)
+    slow_reads: list[int] = field(default_factory=list)
 
     def add(self, record: DecodeRecord) -> None:
         self.count(record.outcome, record.reason, record.bytes_read, record.transfer_s)
@@ -320,16 +330,21 @@ class OutcomeCounts:
     def add_prefill(self, record: PrefillRecord) -> None:
         self.prefill_freed.append(record.freed_by)
 
+    def count_slow_read(self) -> None:
+        """One read found in flight past ``slow_read_s``."""
+        self.slow_reads.append(1)
+
     def merge(self, other: OutcomeCounts) -> OutcomeCounts:
         """Add ``other`` into this one (vLLM sums the ranks of an engine)."""
         self.outcomes.extend(other.outcomes)
         self.bytes_read.extend(other.bytes_read)
         self.transfer_s.extend(other.transfer_s)
         self.prefill_freed.extend(other.prefill_freed)
+        self.slow_reads.extend(other.slow_reads)
         return self
 
     def is_empty(self) -> bool:
-        return not (self.outcomes or self.prefill_freed)
+        return not (self.outcomes or self.prefill_freed or self.slow_reads)
 
     def counts(self) -> dict[str, int]:
         """``{"outcome/reason": requests}``"""
@@ -355,6 +370,7 @@ class OutcomeCounts:
             DECODE_BYTES: list(self.bytes_read),
             DECODE_TRANSFER_S: list(self.transfer_s),
             PREFILL_FREED: list(self.prefill_freed),
+            DECODE_SLOW_READS: list(self.slow_reads),
         }
 
     @classmethod
@@ -381,7 +397,11 @@ class OutcomeCounts:
         for value in prefill_freed:
             if value not in FREED_BY:
                 raise ValueError(f"unknown way prefill freed a request: {value!r}")
-        return cls(outcomes, bytes_read, transfer_s, prefill_freed)
+        slow_reads = list(data.get(DECODE_SLOW_READS) or [])
+        for value in slow_reads:
+            if value != 1 or isinstance(value, bool):
+                raise ValueError(f"a slow read is counted as 1, got {value!r}")
+        return cls(outcomes, bytes_read, transfer_s, prefill_freed, slow_reads)
 
     @classmethod
     def of(cls, records: Iterable[DecodeRecord]) -> OutcomeCounts:

@@ -16,13 +16,16 @@ __all__ = [
     "counts_from_metrics",
     "delta",
     "fault_records_ok",
+    "reads_from_log",
     "records_match",
+    "slowest_reads",
 ]
 
 #: a sample of one of the plugin's counters: name, labels, value
 _SAMPLE = re.compile(
     r"^(vllm:nixl_hma_(?:decode_requests_total|prefill_requests_total|"
-    r"decode_request_bytes_count|decode_request_bytes_sum))(\{[^}]*\})?\s+(\S+)$",
+    r"decode_request_bytes_count|decode_request_bytes_sum|decode_slow_reads_total))"
+    r"(\{[^}]*\})?\s+(\S+)$",
     re.M,
 )
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -31,7 +34,8 @@ _RECORD = re.compile(r"transfer record (\{.*\})\s*$", re.M)
 
 def counts_from_metrics(text: str) -> dict[str, int]:
     """``{"decode/outcome/reason": n, "prefill/freed_by": n, "decode_bytes":
-    n, "decode_reads": n}`` from /metrics text, summed over vLLM's label sets
+    n, "decode_reads": n, "decode_slow_reads": n}`` from /metrics text,
+    summed over vLLM's label sets
     (``engine``: DP ranks); zero counts left out."""
     counts: dict[str, int] = {}
     for name, labels_text, value in _SAMPLE.findall(text):
@@ -42,6 +46,8 @@ def counts_from_metrics(text: str) -> dict[str, int]:
             key = f"prefill/{labels.get('freed_by')}"
         elif name.endswith("_bytes_sum"):
             key = "decode_bytes"
+        elif name.endswith("decode_slow_reads_total"):
+            key = "decode_slow_reads"
         else:
             key = "decode_reads"
         number = int(float(value))
@@ -67,11 +73,50 @@ def counts_from_log(text: str) -> dict[str, int]:
                 add("decode_reads")
                 if record["bytes_read"]:
                     add("decode_bytes", int(record["bytes_read"]))
+            if record.get("slow"):
+                add("decode_slow_reads")
         elif record.get("event") == "prefill_served":
             add(f"prefill/{record['freed_by']}")
         else:
             raise ValueError(f"not a transfer record: {line[:200]}")
     return counts
+
+
+def reads_from_log(text: str) -> list[dict[str, object]]:
+    """Each of decode's reads in an engine's log, in its order: ``{"request_id",
+    "outcome", "reason", "bytes_read", "transfer_s", "slow"}`` from the ``decode_read``
+    records (``transfer_s``: NIXL's transfer time of the read's handles, as
+    the worker measured it; ``None`` where the read never ended, e.g. it was
+    abandoned at ``read_timeout_s``). Other records are left out."""
+    reads = []
+    for line in _RECORD.findall(text):
+        record = json.loads(line)
+        if record.get("event") != "decode_read":
+            continue
+        reads.append(
+            {
+                "request_id": record["request_id"],
+                "outcome": record["outcome"],
+                "reason": record["reason"],
+                "bytes_read": record.get("bytes_read"),
+                "transfer_s": record.get("transfer_s"),
+                "slow": bool(record.get("slow")),
+            }
+        )
+    return reads
+
+
+def slowest_reads(reads_by_engine: Mapping[str, list[Mapping[str, object]]], count: int = 3):
+    """The ``count`` reads with the longest ``transfer_s`` over every engine,
+    longest first, each with its engine's name (``engine``); reads without a
+    time are left out."""
+    timed = [
+        {"engine": name, **read}
+        for name, reads in reads_by_engine.items()
+        for read in reads
+        if isinstance(read.get("transfer_s"), (int, float))
+    ]
+    return sorted(timed, key=lambda read: -float(read["transfer_s"]))[:count]
 
 
 def delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:

@@ -131,6 +131,7 @@ class LeaseChecks:
     def _abandon_overdue_reads(self, transfers) -> set[str]:
         now_wall, now = time.time(), time.monotonic()
         abandoned = set()
+        kept_in_flight_s: dict[str, float] = {}
         for request_id, handles in list(transfers.items()):
             posted_at = self._reads_posted_at.get(request_id)
             in_flight_s = None if posted_at is None else now - posted_at
@@ -142,6 +143,8 @@ class LeaseChecks:
                 self._read_timeout_s,
             )
             if reason is None:
+                if in_flight_s is not None:
+                    kept_in_flight_s[request_id] = in_flight_s
                 continue
             logger.error(lease.READ_ABANDONED, request_id, in_flight_s or 0.0, reason)
             self._note_not_read(request_id, _ABANDONED[reason], f"in flight: {reason}")
@@ -167,4 +170,5 @@ class LeaseChecks:
             self._reads_posted_at.pop(request_id, None)
             self._lease_deadlines.pop(request_id, None)
             abandoned.add(request_id)
+        self._note_slow_reads(transfers, kept_in_flight_s)  # counted and logged once
         return abandoned

@@ -171,6 +171,7 @@ class LeaseChecks:
         now = time.perf_counter()
         done: set[str] = set()
         failed: set[str] = set()
+        kept_in_flight_s: dict[str, float] = {}
         for request_id, handles in list(transfers.items()):
             meta = self._recving_metadata.get(request_id)
             posted_at = self._reads_posted_at.get(request_id)
@@ -183,6 +184,8 @@ class LeaseChecks:
                 self._read_timeout_s,
             )
             if reason is None:
+                if in_flight_s is not None:
+                    kept_in_flight_s[request_id] = in_flight_s
                 continue
             logger.error(lease.READ_ABANDONED, request_id, in_flight_s or 0.0, reason)
             self._note_not_read(request_id, _ABANDONED[reason], f"in flight: {reason}")
@@ -196,6 +199,7 @@ class LeaseChecks:
             else:
                 del transfers[request_id]
                 done.add(request_id)
+        self._note_slow_reads(transfers, kept_in_flight_s)  # counted and logged once
         return done, failed
 
     def _forget_lease_of(self, meta) -> None:

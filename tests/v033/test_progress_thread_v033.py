@@ -67,3 +67,33 @@ def test_a_bad_delay_is_refused_before_any_agent_exists(upstream_constructor):
     with pytest.raises(ValueError, match="progress_thread_delay_us=-5"):
         NixlHMAConnectorWorker(config_with({"progress_thread_delay_us": -5}), "e", None)
     assert upstream_constructor == []
+
+
+def test_ucx_settings_are_applied_before_upstream_builds_the_agent(mocker, monkeypatch):
+    """#43: the plugin's UCX default is in the environment when upstream's
+    constructor builds the agent (UCX reads it then); the operator's stays."""
+    import os
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    from vllm_nixl_hma.v033.worker import NixlHMAConnectorWorker
+
+    seen = []
+
+    def upstream_init(self, vllm_config, engine_id, kv_cache_config):
+        seen.append(os.environ.get("UCX_KEEPALIVE_INTERVAL"))
+        raise RuntimeError("stop here")  # the agent would be built now
+
+    mocker.patch.object(NixlPullConnectorWorker, "__init__", upstream_init)
+    monkeypatch.delenv("UCX_KEEPALIVE_INTERVAL", raising=False)
+    with pytest.raises(RuntimeError, match="stop here"):
+        NixlHMAConnectorWorker(config_with({}), "e", None)
+    monkeypatch.setenv("UCX_KEEPALIVE_INTERVAL", "3s")
+    with pytest.raises(RuntimeError, match="stop here"):
+        NixlHMAConnectorWorker(config_with({}), "e", None)
+    assert seen == ["100ms", "3s"]
+    with pytest.raises(ValueError, match="slow_read_s=-1"):
+        NixlHMAConnectorWorker(config_with({"slow_read_s": -1}), "e", None)
+    assert len(seen) == 2  # refused before upstream's constructor

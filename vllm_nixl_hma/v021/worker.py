@@ -178,6 +178,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 from vllm_nixl_hma import _compat
 from vllm_nixl_hma._compat import require_adapter
@@ -201,6 +202,8 @@ from vllm_nixl_hma.core import (  # noqa: E402
     lease,
     progress_thread,
     read_threads,
+    slow_reads,
+    ucx_settings,
     upstream_contract,
 )
 from vllm_nixl_hma.core.groups import group_kinds_of  # noqa: E402
@@ -305,7 +308,10 @@ class NixlHMAConnectorWorker(
         split_batch_size = read_threads.split_batch_size_from(extra_config)
         progress_delay_us = progress_thread.delay_us_from(extra_config)
         lease.configured_read_timeout_s(extra_config)  # a bad read_timeout_s stops startup
+        slow_reads.configured_slow_read_s(extra_config)  # and so does a bad slow_read_s
         addresses.check_at_start()  # UCX_NET_DEVICES names devices this host has
+        # before the agent's UCX reads its configuration (core/ucx_settings.py)
+        logger.info_once(ucx_settings.describe(ucx_settings.apply(os.environ)))
 
         def split_for_this_rank(mamba_spec, local_tp):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

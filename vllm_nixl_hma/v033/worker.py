@@ -90,6 +90,7 @@ merging).
 from __future__ import annotations
 
 import functools
+import os
 
 from vllm_nixl_hma import _compat
 from vllm_nixl_hma._compat import require_adapter
@@ -107,6 +108,8 @@ from vllm_nixl_hma.core import (  # noqa: E402
     blocks,
     lease,
     progress_thread,
+    slow_reads,
+    ucx_settings,
     upstream_contract,
 )
 from vllm_nixl_hma.core.errors import UnsupportedModelError  # noqa: E402
@@ -161,6 +164,9 @@ class NixlHMAConnectorWorker(
         addresses.check_at_start()  # UCX_NET_DEVICES names devices this host has
         extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
         progress_delay_us = progress_thread.delay_us_from(extra_config)
+        slow_reads.configured_slow_read_s(extra_config)  # a bad slow_read_s stops startup
+        # before the agent's UCX reads its configuration (core/ucx_settings.py)
+        logger.info_once(ucx_settings.describe(ucx_settings.apply(os.environ)))
         if progress_delay_us is None:
             super().__init__(vllm_config, engine_id, kv_cache_config)
         else:

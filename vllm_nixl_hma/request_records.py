@@ -71,7 +71,7 @@ class _Reads:
 
     __slots__ = (
         "engine_id", "posted_at_s", "posted", "post_s", "transfer_s", "bytes_read",
-        "descriptors", "transfers", "slow",
+        "descriptors", "transfers", "slow", "ended_at_s",
     )  # fmt: skip
 
     def __init__(self, engine_id: str) -> None:
@@ -89,6 +89,8 @@ class _Reads:
         self.transfers = 0
         #: found in flight past ``slow_read_s`` (counted and logged then, once)
         self.slow = False
+        #: wall clock when the step saw the request end (``_record_received``)
+        self.ended_at_s: float | None = None
 
 
 class _FinishedRead(NamedTuple):
@@ -134,6 +136,11 @@ class _FinishedRead(NamedTuple):
             "posted_at_s": reads.posted_at_s,
             "post_s": reads.post_s if reads.transfers else None,
             "transfer_s": reads.transfer_s if reads.transfers else None,
+            "read_s": (
+                max(0.0, reads.ended_at_s - reads.posted_at_s)
+                if reads.ended_at_s is not None
+                else None
+            ),
             "slow": reads.slow,
         }
 
@@ -341,14 +348,11 @@ class RequestRecords:
         """A request this rank finished receiving (or gave up): what is known
         of it is set aside; ``_write_records`` counts it and makes its record
         with the rest of the step's, at the end of the step."""
+        reads = self._reads_by_request.pop(request_id, None)
+        if reads is not None:
+            reads.ended_at_s = time.time()
         self._received_of_step.append(
-            (
-                request_id,
-                meta,
-                failed,
-                self._reads_by_request.pop(request_id, None),
-                self._not_read_reasons.pop(request_id, None),
-            )
+            (request_id, meta, failed, reads, self._not_read_reasons.pop(request_id, None))
         )
 
     @functools.cached_property

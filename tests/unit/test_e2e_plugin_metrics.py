@@ -161,7 +161,8 @@ def test_each_reads_time_is_taken_off_the_log_and_the_slowest_found_over_engines
         DecodeRecord("c", Outcome.FAILED, Reason.TIMEOUT, slow=True),
         PrefillRecord("p", freed_by="notified"),
     )
-    other = log(DecodeRecord("d", Outcome.READ, bytes_read=100, transfer_s=0.7))
+    # read_s (the request's wait) wins over transfer_s (NIXL's handles summed)
+    other = log(DecodeRecord("d", Outcome.READ, bytes_read=100, transfer_s=3.0, read_s=0.7))
     reads = {
         "decode": plugin_metrics.reads_from_log(decode),
         "decode-recompute": plugin_metrics.reads_from_log(other),
@@ -173,10 +174,11 @@ def test_each_reads_time_is_taken_off_the_log_and_the_slowest_found_over_engines
         "reason": "timeout",
         "bytes_read": 0,
         "transfer_s": None,
+        "read_s": None,
         "slow": True,
     }
     slowest = plugin_metrics.slowest_reads(reads, count=2)
-    assert [(r["engine"], r["request_id"], r["transfer_s"]) for r in slowest] == [
+    assert [(r["engine"], r["request_id"], r["seconds"]) for r in slowest] == [
         ("decode", "b", 12.9),
         ("decode-recompute", "d", 0.7),
     ]

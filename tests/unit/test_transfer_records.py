@@ -62,6 +62,7 @@ def test_a_read_is_one_json_line_with_every_field_an_operator_asks_for():
         "posted_at_s": 1_800_000_000.25,
         "post_s": 0.0001,
         "transfer_s": 0.002,
+        "read_s": None,
         "slow": False,
         "detail": None,
     }

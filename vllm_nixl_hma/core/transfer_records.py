@@ -134,6 +134,9 @@ class DecodeRecord:
     #: NIXL's post time and transfer time, summed over this rank's reads
     post_s: float | None = None
     transfer_s: float | None = None
+    #: wall clock from the first read posted to the step that saw the request end
+    #: (done, failed or given up): what the request waited for its KV on this rank
+    read_s: float | None = None
     #: still in flight ``slow_read_s`` after it was posted (``core.slow_reads``)
     slow: bool = False
     #: the first line of the error, for a request that was not read
@@ -147,7 +150,7 @@ class DecodeRecord:
             _check_count(name, getattr(self, name))
         for rank in self.remote_tp_ranks:
             _check_count("remote_tp_ranks", rank)
-        for name in ("post_s", "transfer_s"):
+        for name in ("post_s", "transfer_s", "read_s"):
             _check_seconds(name, getattr(self, name))
         if self.outcome is Outcome.REFUSED and (self.bytes_read or self.descriptors):
             raise ValueError(

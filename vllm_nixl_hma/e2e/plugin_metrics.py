@@ -84,7 +84,7 @@ def counts_from_log(text: str) -> dict[str, int]:
 
 def reads_from_log(text: str) -> list[dict[str, object]]:
     """Each of decode's reads in an engine's log, in its order: ``{"request_id",
-    "outcome", "reason", "bytes_read", "transfer_s", "slow"}`` from the ``decode_read``
+    "outcome", "reason", "bytes_read", "transfer_s", "read_s", "slow"}`` from the ``decode_read``
     records (``transfer_s``: NIXL's transfer time of the read's handles, as
     the worker measured it; ``None`` where the read never ended, e.g. it was
     abandoned at ``read_timeout_s``). Other records are left out."""
@@ -100,6 +100,7 @@ def reads_from_log(text: str) -> list[dict[str, object]]:
                 "reason": record["reason"],
                 "bytes_read": record.get("bytes_read"),
                 "transfer_s": record.get("transfer_s"),
+                "read_s": record.get("read_s"),
                 "slow": bool(record.get("slow")),
             }
         )
@@ -107,16 +108,26 @@ def reads_from_log(text: str) -> list[dict[str, object]]:
 
 
 def slowest_reads(reads_by_engine: Mapping[str, list[Mapping[str, object]]], count: int = 3):
-    """The ``count`` reads with the longest ``transfer_s`` over every engine,
-    longest first, each with its engine's name (``engine``); reads without a
-    time are left out."""
+    """The ``count`` reads that took longest over every engine, longest first,
+    each with its engine's name (``engine``). A read's time is ``read_s``
+    (the request's wall-clock wait for its KV on that rank), or where a
+    record has none ``transfer_s`` (NIXL's time, its handles summed); reads
+    with neither are left out."""
+
+    def seconds(read: Mapping[str, object]) -> float | None:
+        for key in ("read_s", "transfer_s"):
+            value = read.get(key)
+            if isinstance(value, (int, float)):
+                return float(value)
+        return None
+
     timed = [
-        {"engine": name, **read}
+        {"engine": name, **read, "seconds": seconds(read)}
         for name, reads in reads_by_engine.items()
         for read in reads
-        if isinstance(read.get("transfer_s"), (int, float))
+        if seconds(read) is not None
     ]
-    return sorted(timed, key=lambda read: -float(read["transfer_s"]))[:count]
+    return sorted(timed, key=lambda read: -read["seconds"])[:count]
 
 
 def delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:

@@ -8,20 +8,19 @@ that the environment does not name, and returns what it did for the
 worker's one startup line (``describe``).
 
 ``UCX_KEEPALIVE_INTERVAL`` (UCX's default: 20 s). Over UCX's TCP transport a
-READ is UCX's software emulation: decode sends a small GET request, and
-prefill's UCX worker answers with the data. Across hosts (network
-namespaces on shaped links, ``docs/faults.md``, "Slow and stalled reads"),
-prefill's kernel acknowledged decode's GET requests and then prefill's UCX
-sent nothing on that connection for 10 to 20 s, until its next keepalive
-message went out on the same endpoint; the data followed within a
-millisecond of it (packet capture on both hosts). So the answer sits
-queued in prefill's UCX endpoint until something is sent on that endpoint,
-and UCX's keepalive is what sends something every interval: with 20 s, reads
-stalled up to 20 s (and failed at e2e's 20 s ``read_timeout_s``); with a
-short interval, they end within it. It also makes a peer that went away
-noticed sooner. The cost: one message of about 66 bytes per endpoint and
-interval (``UCX_KEEPALIVE_NUM_EPS`` endpoints per round, 128 by default).
-Remove when: UCX releases a queued send without waiting for the next one.
+READ is UCX's software emulation: decode sends small GET requests, and
+prefill's UCX worker answers with the data. Across hosts (network namespaces
+on shaped links, ``docs/faults.md``, "Slow and stalled reads"), prefill's
+kernel acknowledged decode's GET requests and then prefill's UCX worker sent
+nothing for 10 to 20 s, not even its own keepalives; its answers left with
+its next keepalive round. Why the worker stops is not known; how long it
+stays stopped follows the keepalive interval: with 20 s, reads stalled up to
+20 s (and failed at e2e's 20 s ``read_timeout_s``); with 250 ms or 100 ms,
+no read took 2 s in the runs measured. A short interval also makes a peer
+that went away noticed sooner. The cost: one message of about 66 bytes per
+endpoint and interval (``UCX_KEEPALIVE_NUM_EPS`` endpoints per round, 128 by
+default).
+Remove when: the cause inside UCX or NIXL is found and fixed there.
 """
 
 from __future__ import annotations

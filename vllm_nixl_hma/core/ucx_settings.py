@@ -13,10 +13,11 @@ prefill's UCX worker answers with the data. Across hosts (network namespaces
 on shaped links, ``docs/faults.md``, "Slow and stalled reads"), prefill's
 kernel acknowledged decode's GET requests and then prefill's UCX worker sent
 nothing for 10 to 20 s, not even its own keepalives; its answers left with
-its next keepalive round. Why the worker stops is not known; how long it
-stays stopped follows the keepalive interval: with 20 s, reads stalled up to
-20 s (and failed at e2e's 20 s ``read_timeout_s``); with 250 ms or 100 ms,
-no read took 2 s in the runs measured. A short interval also makes a peer
+its next keepalive round. Why the worker stops is not known (#43 is open);
+a short interval shortens most stalls but not all: with UCX's 20 s, 2 of 2
+runs of CI's hybrid test had a read over 2 s (one given up at e2e's 20 s
+``read_timeout_s``); with 100 ms, 2 of 6 (one of 10 s and one given up,
+in the same run), the others' slowest about 1 to 1.5 s. A short interval also makes a peer
 that went away noticed sooner. The cost: one message of about 66 bytes per
 endpoint and interval (``UCX_KEEPALIVE_NUM_EPS`` endpoints per round, 128 by
 default).

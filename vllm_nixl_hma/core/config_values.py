@@ -6,7 +6,15 @@ number or as text; a bool is JSON's ``true``, never a count.
 
 from __future__ import annotations
 
-__all__ = ["MAMBA_PREFIX_CACHING_KEY", "mamba_prefix_caching", "whole_number"]
+import math
+from collections.abc import Mapping
+
+__all__ = [
+    "MAMBA_PREFIX_CACHING_KEY",
+    "mamba_prefix_caching",
+    "seconds_or_null",
+    "whole_number",
+]
 
 
 def whole_number(value: object) -> int | None:
@@ -19,6 +27,29 @@ def whole_number(value: object) -> int | None:
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
     return None
+
+
+def seconds_or_null(
+    extra_config: Mapping[str, object] | None, key: str, default: float, null_means: str
+) -> float | None:
+    """``key`` of ``kv_connector_extra_config`` as a positive, finite number of
+    seconds; ``None`` where it is ``null``; ``default`` where absent.
+    ValueError naming the key, the value and what ``null`` means otherwise
+    (the config is the operator's, read at start)."""
+    value = (extra_config or {}).get(key, default)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not value > 0
+    ):
+        raise ValueError(
+            f"kv_connector_extra_config {key}={value!r}: expected a positive number of "
+            f"seconds, or null {null_means}"
+        )
+    return float(value)
 
 
 #: ``kv_connector_extra_config`` key that keeps prefix caching on for a Mamba

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm_nixl_hma.core.blocks import has_local_blocks
+from vllm_nixl_hma.core.config_values import seconds_or_null
 
 __all__ = [
     "DEFAULT_MARGIN_S",
@@ -123,15 +124,9 @@ def configured_read_timeout_s(extra_config: Mapping[str, Any] | None) -> float |
     of seconds, or ``null`` for no limit beyond the lease), or the default;
     ValueError naming the key for anything else (the config is the
     operator's, read at start)."""
-    value = (extra_config or {}).get("read_timeout_s", DEFAULT_READ_TIMEOUT_S)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(
-            f"kv_connector_extra_config read_timeout_s={value!r}: expected a positive "
-            "number of seconds or null"
-        )
-    return float(value)
+    return seconds_or_null(
+        extra_config, "read_timeout_s", DEFAULT_READ_TIMEOUT_S, "for no limit beyond the lease"
+    )
 
 
 def abandon_read(

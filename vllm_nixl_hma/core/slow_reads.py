@@ -16,9 +16,10 @@ not a slow link.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from vllm_nixl_hma.core.config_values import seconds_or_null
 
 __all__ = [
     "DEFAULT_SLOW_READ_S",
@@ -39,20 +40,9 @@ def configured_slow_read_s(extra_config: Mapping[str, Any] | None) -> float | No
     """``slow_read_s`` from ``kv_connector_extra_config``: a positive number of
     seconds, ``null`` to count and log none, or the default when absent.
     ValueError naming the key and the value for anything else."""
-    value = (extra_config or {}).get(EXTRA_CONFIG_KEY, DEFAULT_SLOW_READ_S)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not value > 0
-    ):
-        raise ValueError(
-            f"kv_connector_extra_config {EXTRA_CONFIG_KEY}={value!r}: expected a positive "
-            "number of seconds, or null to count no read as slow"
-        )
-    return float(value)
+    return seconds_or_null(
+        extra_config, EXTRA_CONFIG_KEY, DEFAULT_SLOW_READ_S, "to count no read as slow"
+    )
 
 
 def is_slow(in_flight_s: float | None, slow_read_s: float | None) -> bool:

@@ -15,7 +15,10 @@ wall-clock wait for its KV from the first read posted to the step that saw
 it end), how many reads took longer than ``--stall-s`` (2 s by default) and
 how many were abandoned at ``read_timeout_s``. A read of this
 test's prompts moves at most a few MB, milliseconds on this link: one over
-``--stall-s`` is a stall, not a slow link.
+``--stall-s`` is a stall, not a slow link. ``host_wait_s`` is the longest
+a 1 ms sleeper elsewhere on the host waited for a core during the run
+(``host_starvation.py``): a stalled read beside a wait as long is the host's
+CPU starved, not the network.
 
 ``--env NAME=VALUE`` adds to every engine's environment (the e2e engines
 inherit this process's environment), for experiments on UCX's settings such
@@ -35,9 +38,22 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_starvation import StarvationProbe  # noqa: E402
+
 #: a read of these prompts moves a few MB at most; longer than this is a stall
 DEFAULT_STALL_S = 2.0
-COLUMNS = ("run", "ok", "prompts", "reads", "slowest_s", "over", "timeouts", "wall_s")
+COLUMNS = (
+    "run",
+    "ok",
+    "prompts",
+    "reads",
+    "slowest_s",
+    "over",
+    "timeouts",
+    "host_wait_s",
+    "wall_s",
+)
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -89,12 +105,12 @@ def e2e_options(args):
     )
 
 
-def run_once(args, log_dir: Path, index: int) -> dict:
+def run_once(args, log_dir: Path, index: int, probe: StarvationProbe) -> dict:
     from vllm_nixl_hma.e2e.run import run_e2e
 
     workdir = log_dir / f"run-{index}"
     workdir.mkdir()
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     with open(workdir / "progress.log", "w", buffering=1) as progress:
         try:
             report = run_e2e(e2e_options(args), workdir, lambda line: print(line, file=progress))
@@ -103,6 +119,8 @@ def run_once(args, log_dir: Path, index: int) -> dict:
     (workdir / "report.json").write_text(json.dumps(report, indent=1))
     row = {"run": index, **summarize(report, args.stall_s)}
     row["wall_s"] = round(time.monotonic() - started, 1)
+    # the longest a 1 ms sleeper elsewhere on the host waited for a core meanwhile
+    row["host_wait_s"] = probe.longest(started_at, time.time())
     row["slowest"] = (report.get("slowest_reads") or [])[:3]
     row["logs"] = str(workdir)
     return row
@@ -136,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="read-stalls-"))
     print(f"e2e: {e2e_options(args)}; env {env or 'as is'}; logs {log_dir}", file=sys.stderr)
     rows = []
-    for index in range(1, args.runs + 1):
-        rows.append(run_once(args, log_dir, index))
-        print(render(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-        if args.json:
-            arguments = {**vars(args), "json": str(args.json)}
-            args.json.write_text(json.dumps({"env": env, "args": arguments, "rows": rows}))
+    probe = StarvationProbe(log_dir / "host-waits.txt")
+    with probe:
+        for index in range(1, args.runs + 1):
+            rows.append(run_once(args, log_dir, index, probe))
+            print(render(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+            if args.json:
+                arguments = {**vars(args), "json": str(args.json)}
+                args.json.write_text(json.dumps({"env": env, "args": arguments, "rows": rows}))
     print(render(rows))
     stalled = [r for r in rows if r.get("over") or r.get("timeouts")]
     slowest = max((r["slowest_s"] for r in rows if r.get("slowest_s") is not None), default=None)

@@ -1,9 +1,12 @@
 """vLLM OpenAI servers (and the P/D router) started for ``e2e``, each in its own
 process group, logging to one file, stopped with everything they started.
 
-Every server is started with ``start_new_session=True``; ``stop`` sends SIGTERM
-to the whole group (API server, engine core, TP workers), waits, then SIGKILLs
-it. ``ServerSet`` stops all of its servers on exit from its ``with`` block,
+Every server is started in a process group of its own (``process_group=0``),
+in the caller's session; ``stop`` sends SIGTERM to the whole group (API
+server, engine core, TP workers), waits, then SIGKILLs it. Not a session of
+its own: the kernel schedules each session as a group (sched_autogroup), and
+engines in groups of their own on one kernel starved each other for seconds
+(docs/faults.md, "Slow and stalled reads"). ``ServerSet`` stops all of its servers on exit from its ``with`` block,
 however the block ends (success, exception, timeout, Ctrl-C).
 """
 
@@ -198,7 +201,11 @@ class Server:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            # a process group of its own, to stop it whole, but not a session
+            # of its own: the kernel schedules each session as a group of its
+            # own (sched_autogroup), and engines in groups of their own on one
+            # kernel starved each other for seconds (docs/faults.md, #43)
+            process_group=0,
         )
         log.close()  # the child has its own descriptor
 

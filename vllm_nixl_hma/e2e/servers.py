@@ -6,8 +6,9 @@ in the caller's session; ``stop`` sends SIGTERM to the whole group (API
 server, engine core, TP workers), waits, then SIGKILLs it. Not a session of
 its own: the kernel schedules each session as a group (sched_autogroup), and
 engines in groups of their own on one kernel starved each other for seconds
-(docs/faults.md, "Slow and stalled reads"). ``ServerSet`` stops all of its servers on exit from its ``with`` block,
-however the block ends (success, exception, timeout, Ctrl-C).
+(docs/faults.md, "Slow and stalled reads"). ``ServerSet`` stops all of its
+servers on exit from its ``with`` block, however the block ends (success,
+exception, timeout, Ctrl-C).
 """
 
 from __future__ import annotations
